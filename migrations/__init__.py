@@ -1,0 +1,1 @@
+"""Alembic environment and revisions of rollcall's schema (run by ``rollcall db upgrade``)."""

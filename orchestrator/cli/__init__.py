@@ -1,0 +1,91 @@
+"""The ``rollcall`` command line.
+
+Command modules import SQLAlchemy, torch and ray inside the commands that need them, so
+``rollcall --help`` answers quickly. ``main`` turns a ``UserError`` into one line on stderr and
+its exit code.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from orchestrator import __version__
+from orchestrator.cli import db as db_cmd
+from orchestrator.cli import job as job_cmd
+from orchestrator.cli import quickstart as quickstart_cmd
+from orchestrator.cli import task as task_cmd
+from orchestrator.cli.common import GlobalOptions
+
+app = typer.Typer(
+    name="rollcall",
+    help="Fault-tolerant, multi-task orchestrator for asynchronous RL of LLM agents.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(db_cmd.app, name="db")
+app.add_typer(job_cmd.app, name="job")
+app.add_typer(task_cmd.app, name="task")
+app.command("quickstart")(quickstart_cmd.quickstart)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"rollcall {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    ctx: typer.Context,
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            "--database-url",
+            envvar="ROLLCALL_DATABASE_URL",
+            help="External PostgreSQL URL. Unset: the embedded PostgreSQL in ROLLCALL_HOME.",
+            show_default=False,
+        ),
+    ] = None,
+    home: Annotated[
+        str | None,
+        typer.Option(
+            "--home",
+            envvar="ROLLCALL_HOME",
+            help="State directory (embedded PostgreSQL, runs). Default: ~/.rollcall.",
+            show_default=False,
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            envvar="ROLLCALL_CONFIG",
+            help="Job config YAML whose database.url is used when no URL is given.",
+            show_default=False,
+        ),
+    ] = None,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    ctx.obj = GlobalOptions(database_url=database_url, home=home, config=config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from orchestrator.errors import UserError
+
+    try:
+        app(args=argv, prog_name="rollcall")
+    except UserError as e:
+        from rich.markup import escape
+
+        from orchestrator.cli.common import err_console
+
+        err_console().print(f"[bold red]error:[/] {escape(str(e))}", markup=True)
+        sys.exit(e.exit_code)

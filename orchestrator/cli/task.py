@@ -1,0 +1,272 @@
+"""``rollcall task``: register and steer the tasks of a job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from orchestrator.cli.common import actor, console, default_job, open_db, print_json
+from orchestrator.defaults import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_STALENESS, DEFAULT_WEIGHT
+
+if TYPE_CHECKING:
+    from orchestrator.domain import TaskView
+
+app = typer.Typer(
+    help="Task registry: register, list, pause, resume, drain, set quotas, retire.",
+    no_args_is_help=True,
+)
+
+JobOpt = Annotated[
+    str,
+    typer.Option(
+        "--job", envvar="ROLLCALL_JOB", help="Job the task belongs to.", default_factory=default_job
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+NameArg = Annotated[str, typer.Argument(help="Task name.")]
+
+
+def _summary(t: TaskView) -> str:
+    return (
+        f"task {t.name!r} [{t.status.value}] plugin={t.plugin} weight={t.weight:g} "
+        f"max_inflight={t.max_inflight} max_staleness={t.max_staleness}"
+    )
+
+
+@app.command()
+def register(
+    ctx: typer.Context,
+    name: NameArg,
+    plugin: Annotated[
+        str, typer.Option("--plugin", help="Registered plugin name (see `task plugins`).")
+    ],
+    job: JobOpt,
+    weight: Annotated[
+        float, typer.Option(help="Share of rollout claims and batch groups.")
+    ] = DEFAULT_WEIGHT,
+    max_inflight: Annotated[
+        int, typer.Option(help="Most episodes leased at once.")
+    ] = DEFAULT_MAX_INFLIGHT,
+    max_staleness: Annotated[
+        int, typer.Option(help="Most policy versions a trained trajectory may lag.")
+    ] = DEFAULT_MAX_STALENESS,
+    spec: Annotated[
+        Path | None,
+        typer.Option("--spec", help="YAML file with the plugin's task spec.", show_default=False),
+    ] = None,
+) -> None:
+    """Register a task into a job (creates its trajectory partition)."""
+    from orchestrator.services.tasks import register_task, resolve_plugin, validate_quota
+
+    # Reject bad input before touching the database at all.
+    resolve_plugin(plugin)
+    validate_quota(weight, max_inflight, max_staleness)
+    db = open_db(ctx)
+    try:
+        with db.transaction() as tx:
+            task = register_task(
+                tx,
+                job_name=job,
+                name=name,
+                plugin=plugin,
+                weight=weight,
+                max_inflight=max_inflight,
+                max_staleness=max_staleness,
+                spec_file=spec,
+                actor=actor(),
+            )
+    finally:
+        db.dispose()
+    console().print(
+        f"Registered {_summary(task)} in job {job!r}; partition {task.partition}.", markup=False
+    )
+
+
+@app.command()
+def plugins(json_out: JsonOpt = False) -> None:
+    """List the task plugins available (built-in and installed entry points)."""
+    from tasks import registry
+
+    rows: list[dict[str, Any]] = []
+    for info in registry.available().values():
+        plugin = registry.get(info.name)
+        rows.append(
+            {
+                "name": info.name,
+                "source": info.source,
+                "description": plugin.description,
+                "spec_schema": plugin.Spec.model_json_schema(),
+            }
+        )
+    if json_out:
+        print_json(rows)
+        return
+    from rich.table import Table
+
+    table = Table("plugin", "source", "description")
+    for r in rows:
+        table.add_row(r["name"], r["source"], r["description"])
+    console().print(table)
+
+
+@app.command("list")
+def list_(ctx: typer.Context, job: JobOpt, json_out: JsonOpt = False) -> None:
+    """List the tasks of a job, retired ones included."""
+    from orchestrator.services.jobs import require_job
+
+    db = open_db(ctx)
+    try:
+        with db.transaction() as tx:
+            tasks = tx.tasks.list(require_job(tx, job).id)
+    finally:
+        db.dispose()
+    if json_out:
+        print_json([t.to_json() for t in tasks])
+        return
+    from rich.table import Table
+
+    table = Table(
+        "name", "plugin", "status", "weight", "max inflight", "max staleness", "partition"
+    )
+    for t in tasks:
+        table.add_row(
+            t.name,
+            t.plugin,
+            t.status.value,
+            f"{t.weight:g}",
+            str(t.max_inflight),
+            str(t.max_staleness),
+            t.partition,
+        )
+    console().print(table)
+
+
+@app.command()
+def show(ctx: typer.Context, name: NameArg, job: JobOpt, json_out: JsonOpt = False) -> None:
+    """Show a task: quota, spec, work by status, recent events."""
+    from orchestrator.services.tasks import require_task
+
+    db = open_db(ctx)
+    try:
+        with db.transaction() as tx:
+            task = require_task(tx, job, name)
+            counts = tx.tasks.counts(task.id)
+            events = tx.events.list(task_id=task.id, limit=10)
+    finally:
+        db.dispose()
+    data = {
+        **task.to_json(),
+        "partition_attached": counts.partition_attached,
+        "episodes": counts.episodes,
+        "trajectories": counts.trajectories,
+        "recent_events": [e.to_json() for e in events],
+    }
+    if json_out:
+        print_json(data)
+        return
+    out = console()
+    out.print(_summary(task), markup=False)
+    out.print(
+        f"  job {task.job_name}; partition {task.partition} "
+        f"({'attached' if counts.partition_attached else 'detached'}); "
+        f"prompt cursor {task.prompt_cursor}",
+        markup=False,
+    )
+    out.print(f"  spec: {task.spec}", markup=False)
+    out.print(f"  episodes: {counts.episodes or 'none'}", markup=False)
+    out.print(f"  trajectories: {counts.trajectories or 'none'}", markup=False)
+    for e in events:
+        out.print(f"  {e.created_at:%Y-%m-%d %H:%M:%S}  {e.kind}  {e.message}", markup=False)
+
+
+def _transition(ctx: typer.Context, name: str, job: str, action: str) -> None:
+    from orchestrator.services.tasks import change_status
+
+    db = open_db(ctx)
+    try:
+        with db.transaction() as tx:
+            task, changed = change_status(tx, job_name=job, name=name, action=action, actor=actor())
+    finally:
+        db.dispose()
+    if changed:
+        console().print(f"Task {name!r} is now {task.status.value}.", markup=False)
+    else:
+        console().print(
+            f"Task {name!r} is already {task.status.value}; nothing changed.", markup=False
+        )
+
+
+@app.command()
+def pause(ctx: typer.Context, name: NameArg, job: JobOpt) -> None:
+    """Stop new claims for the task; episodes in flight finish."""
+    _transition(ctx, name, job, "pause")
+
+
+@app.command()
+def resume(ctx: typer.Context, name: NameArg, job: JobOpt) -> None:
+    """Return a paused or draining task to active."""
+    _transition(ctx, name, job, "resume")
+
+
+@app.command()
+def drain(ctx: typer.Context, name: NameArg, job: JobOpt) -> None:
+    """Finish the task's outstanding work and seed no more (then it can be retired)."""
+    _transition(ctx, name, job, "drain")
+
+
+@app.command("set-quota")
+def set_quota(
+    ctx: typer.Context,
+    name: NameArg,
+    job: JobOpt,
+    weight: Annotated[
+        float | None, typer.Option(help="New weight (> 0).", show_default=False)
+    ] = None,
+    max_inflight: Annotated[
+        int | None, typer.Option(help="New in-flight cap (>= 1).", show_default=False)
+    ] = None,
+    max_staleness: Annotated[
+        int | None, typer.Option(help="New staleness bound (>= 0).", show_default=False)
+    ] = None,
+) -> None:
+    """Change a task's quota; takes effect on the next claim."""
+    from orchestrator.services import tasks as svc
+
+    svc.check_quota_change(weight, max_inflight, max_staleness)
+    db = open_db(ctx)
+    try:
+        with db.transaction() as tx:
+            task = svc.set_quota(
+                tx,
+                job_name=job,
+                name=name,
+                weight=weight,
+                max_inflight=max_inflight,
+                max_staleness=max_staleness,
+                actor=actor(),
+            )
+    finally:
+        db.dispose()
+    console().print(f"Updated {_summary(task)}.", markup=False)
+
+
+@app.command()
+def retire(
+    ctx: typer.Context,
+    name: NameArg,
+    job: JobOpt,
+    yes: Annotated[bool, typer.Option("--yes", help="Confirm: retiring cannot be undone.")] = False,
+) -> None:
+    """Retire a drained task and detach its trajectory partition (rows are kept)."""
+    from orchestrator.services.tasks import check_retire_confirmed, retire_task
+
+    check_retire_confirmed(name, yes)
+    db = open_db(ctx)
+    try:
+        with db.transaction() as tx:
+            task = retire_task(tx, job_name=job, name=name, confirmed=yes, actor=actor())
+    finally:
+        db.dispose()
+    console().print(f"Task {name!r} retired; partition {task.partition} detached.", markup=False)

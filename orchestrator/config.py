@@ -1,0 +1,148 @@
+"""Job configuration: pydantic models, YAML loading and dotted overrides.
+
+Every model forbids unknown keys, so a typo in a YAML file is an error that names the key.
+This module imports neither torch nor ray nor SQLAlchemy. Configs are data: there is no
+interpolation or code evaluation of any kind.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from orchestrator.defaults import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_STALENESS, DEFAULT_WEIGHT
+from orchestrator.errors import UserError
+
+NAME_PATTERN = r"^[a-z][a-z0-9_-]{0,62}$"
+_NAME_RE = re.compile(NAME_PATTERN)
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DatabaseConfig(StrictModel):
+    """Where the control plane lives. ``url`` unset: the embedded PostgreSQL in ROLLCALL_HOME."""
+
+    url: SecretStr | None = None
+
+
+class JobSection(StrictModel):
+    name: str = "default"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v, "job.name")
+
+
+class TaskConfig(StrictModel):
+    """One task of a job, with its quota."""
+
+    name: str
+    plugin: str
+    weight: float = Field(default=DEFAULT_WEIGHT, gt=0)
+    max_inflight: int = Field(default=DEFAULT_MAX_INFLIGHT, ge=1)
+    max_staleness: int = Field(default=DEFAULT_MAX_STALENESS, ge=0)
+    spec: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v, "tasks[].name")
+
+
+class RollcallConfig(StrictModel):
+    """The root of a job config file (``configs/*.yaml``)."""
+
+    job: JobSection = Field(default_factory=JobSection)
+    database: DatabaseConfig = Field(default_factory=DatabaseConfig)
+    tasks: list[TaskConfig] = Field(default_factory=list)
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique_tasks(cls, v: list[TaskConfig]) -> list[TaskConfig]:
+        names = [t.name for t in v]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"task names must be unique; repeated: {', '.join(dupes)}")
+        return v
+
+
+def check_name(value: str, field: str) -> str:
+    """Names of jobs and tasks: lowercase letters, digits, '-' and '_', starting with a letter."""
+    if not _NAME_RE.match(value):
+        raise ValueError(
+            f"{field} {value!r} is not a valid name; use 1-63 lowercase letters, digits, '-' or "
+            "'_', starting with a letter"
+        )
+    return value
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """One line per problem: ``source: field.path: message``."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key; remove it or check its spelling"
+        lines.append(f"{source}: {loc}: {msg}")
+    return "; ".join(lines)
+
+
+def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
+    """Read a YAML file that must hold a mapping; errors name the file and the fix."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UserError(f"{what} file {path} does not exist; pass an existing YAML file") from None
+    except OSError as e:
+        raise UserError(f"{what} file {path} cannot be read ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise UserError(f"{what} file {path} is not valid YAML{where}; fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(
+            f"{what} file {path} must hold a mapping of keys to values, not a {type(data).__name__}"
+        )
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides; values are parsed as YAML scalars (no code runs)."""
+    out: dict[str, Any] = dict(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"override {item!r} must look like dotted.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            raise UserError(f"override {item!r} has a value that is not valid YAML") from None
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.get(part)
+            child = dict(child) if isinstance(child, dict) else {}
+            node[part] = child
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def load_config(path: Path, overrides: list[str] | None = None) -> RollcallConfig:
+    data = apply_overrides(read_yaml_mapping(path, "config"), overrides or [])
+    try:
+        return RollcallConfig.model_validate(data)
+    except ValidationError as e:
+        raise UserError(format_validation_error(e, str(path))) from None

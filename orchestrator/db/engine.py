@@ -1,0 +1,139 @@
+"""Connections and transactions.
+
+``open_database()`` resolves where the database is (see ``orchestrator.settings``), starts the
+embedded server when no URL is given, and by default refuses to return unless the schema is at
+the Alembic head. ``Database.transaction()`` is the unit of work: the caller (a CLI command, a
+scheduler job, an actor method) owns it; repositories inside never commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from orchestrator.db.repos.events import EventRepository
+from orchestrator.db.repos.jobs import JobRepository
+from orchestrator.db.repos.tasks import TaskRepository
+from orchestrator.errors import DatabaseUnavailableError, UserError
+from orchestrator.settings import DatabaseTarget, mask_url, resolve_database
+
+APPLICATION_NAME = "rollcall"
+
+
+def normalise_url(raw: str) -> URL:
+    """Accept ``postgresql://``, ``postgres://`` or ``postgresql+psycopg://``; use psycopg 3."""
+    try:
+        url = make_url(raw)
+    except ArgumentError:
+        raise UserError(
+            f"database URL {mask_url(raw)!r} is not a valid URL; use "
+            "postgresql://USER:PASSWORD@HOST:PORT/DATABASE"
+        ) from None
+    backend = url.get_backend_name()
+    if backend not in {"postgresql", "postgres"}:
+        raise UserError(
+            f"database URL scheme {url.drivername!r} is not supported; rollcall needs PostgreSQL "
+            "(postgresql://...)"
+        )
+    return url.set(drivername="postgresql+psycopg")
+
+
+@dataclass
+class Tx:
+    """One transaction and the repositories bound to it."""
+
+    session: Session
+    jobs: JobRepository
+    tasks: TaskRepository
+    events: EventRepository
+
+
+class Database:
+    def __init__(self, url: URL, target: DatabaseTarget, *, pool_size: int = 5) -> None:
+        self.url = url
+        self.target = target
+        self.engine: Engine = create_engine(
+            url,
+            pool_pre_ping=True,
+            pool_size=pool_size,
+            max_overflow=pool_size,
+            connect_args={"application_name": APPLICATION_NAME, "connect_timeout": 10},
+        )
+        event.listen(self.engine, "connect", _set_session_defaults)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False, autoflush=True)
+
+    def describe(self) -> str:
+        """Where the database is, with any password masked."""
+        return self.url.render_as_string(hide_password=True)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Tx]:
+        """Commit on normal exit, roll back on any exception (nothing half-written)."""
+        with self._sessions() as session, session.begin():
+            yield Tx(
+                session=session,
+                jobs=JobRepository(session),
+                tasks=TaskRepository(session),
+                events=EventRepository(session),
+            )
+
+    def check_connection(self) -> None:
+        try:
+            with self.engine.connect() as conn:
+                conn.exec_driver_sql("SELECT 1")
+        except OperationalError as e:
+            reason = str(e.orig).strip().splitlines()[0] if e.orig else "connection failed"
+            raise DatabaseUnavailableError(
+                f"cannot connect to the database at {self.describe()}: {reason}"
+            ) from None
+
+    def verify_schema(self) -> None:
+        from orchestrator.db.migrate import verify_at_head
+
+        with self.engine.connect() as conn:
+            verify_at_head(conn)
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def _set_session_defaults(dbapi_conn: object, _record: object) -> None:
+    # Keep a stuck statement from holding locks forever; long scans are not in the hot path.
+    cur = dbapi_conn.cursor()  # type: ignore[attr-defined]
+    cur.execute("SET lock_timeout = '30s'")
+    cur.close()
+    dbapi_conn.commit()  # type: ignore[attr-defined]
+
+
+def open_database(
+    explicit_url: str | None = None,
+    config_url: str | None = None,
+    *,
+    home: str | Path | None = None,
+    verify_schema: bool = True,
+    pool_size: int = 5,
+) -> Database:
+    """Resolve, (start,) connect and, unless told otherwise, verify the schema is at head."""
+    target = resolve_database(explicit_url, config_url, home)
+    if target.url is None:
+        from orchestrator.db.embedded import EmbeddedPostgres
+
+        raw = EmbeddedPostgres(target.home).ensure_running()
+    else:
+        raw = target.url
+    db = Database(normalise_url(raw), target, pool_size=pool_size)
+    try:
+        db.check_connection()
+        if verify_schema:
+            db.verify_schema()
+    except BaseException:
+        db.dispose()
+        raise
+    return db

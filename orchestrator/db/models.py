@@ -1,0 +1,349 @@
+"""SQLAlchemy models of the control plane (the data model of ARCHITECTURE.md).
+
+- Statuses are PostgreSQL enum types; quotas carry CHECK constraints, so the database itself
+  refuses values the CLI would refuse.
+- Timestamps come from the database clock (``now()``), never from a worker's clock.
+- ``trajectories`` is ``PARTITION BY LIST (task_id)``: one partition per registered task,
+  attached by registration and detached by retirement (functions created by the migration,
+  ``rollcall_attach_task_partition`` / ``rollcall_detach_task_partition``). Token payloads are
+  compact bytes: token ids int32, loss mask uint8, behaviour log-probs float32, all
+  little-endian (see ``orchestrator.payload``); per-turn policy versions and turn offsets are
+  integer arrays.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Double,
+    Enum,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    Sequence,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from orchestrator.domain import (
+    EpisodeStatus,
+    JobStatus,
+    TaskStatus,
+    TrajectoryStatus,
+    WorkerRole,
+    WorkerStatus,
+)
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+TRAJECTORY_PARTITION_PREFIX = "trajectories_t"
+
+
+def partition_name(task_id: int) -> str:
+    return f"{TRAJECTORY_PARTITION_PREFIX}{task_id}"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {dict[str, Any]: JSONB}
+
+
+def _enum(py_enum: type, name: str) -> Enum:
+    return Enum(
+        py_enum,
+        name=name,
+        values_callable=lambda e: [m.value for m in e],
+        validate_strings=True,
+    )
+
+
+def _created() -> Mapped[datetime]:
+    return mapped_column(DateTime(timezone=True), server_default=func.now(), nullable=False)
+
+
+def _updated() -> Mapped[datetime]:
+    return mapped_column(
+        DateTime(timezone=True), server_default=func.now(), onupdate=func.now(), nullable=False
+    )
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(63), nullable=False, unique=True)
+    status: Mapped[JobStatus] = mapped_column(
+        _enum(JobStatus, "job_status"), nullable=False, server_default=JobStatus.CREATED.value
+    )
+    config: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, nullable=False, server_default=text("'{}'::jsonb")
+    )
+    policy_version: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    created_at: Mapped[datetime] = _created()
+    updated_at: Mapped[datetime] = _updated()
+
+    __table_args__ = (CheckConstraint("policy_version >= 0", name="policy_version_nonneg"),)
+
+
+class Task(Base):
+    __tablename__ = "tasks"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="RESTRICT"), nullable=False)
+    name: Mapped[str] = mapped_column(String(63), nullable=False)
+    plugin: Mapped[str] = mapped_column(String(200), nullable=False)
+    spec: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, nullable=False, server_default=text("'{}'::jsonb")
+    )
+    weight: Mapped[float] = mapped_column(Double, nullable=False)
+    max_inflight: Mapped[int] = mapped_column(Integer, nullable=False)
+    max_staleness: Mapped[int] = mapped_column(Integer, nullable=False)
+    status: Mapped[TaskStatus] = mapped_column(
+        _enum(TaskStatus, "task_status"), nullable=False, server_default=TaskStatus.ACTIVE.value
+    )
+    # Position in the plugin's prompt stream: the next prompt index to seed (persisted so a
+    # restart neither repeats nor skips prompts).
+    prompt_cursor: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    created_at: Mapped[datetime] = _created()
+    updated_at: Mapped[datetime] = _updated()
+    retired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        CheckConstraint("weight > 0", name="weight_positive"),
+        CheckConstraint("max_inflight >= 1", name="max_inflight_min"),
+        CheckConstraint("max_staleness >= 0", name="max_staleness_nonneg"),
+        CheckConstraint("prompt_cursor >= 0", name="prompt_cursor_nonneg"),
+        # A name is unique among a job's live tasks; a retired task frees its name.
+        Index(
+            "uq_tasks_job_id_name_live",
+            "job_id",
+            "name",
+            unique=True,
+            postgresql_where=text("status <> 'retired'"),
+        ),
+    )
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="RESTRICT"), nullable=False)
+    role: Mapped[WorkerRole] = mapped_column(_enum(WorkerRole, "worker_role"), nullable=False)
+    # Stable slot name (``rollout-0``); each restart is a new row (incarnation) of the slot.
+    name: Mapped[str] = mapped_column(String(63), nullable=False)
+    incarnation: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    status: Mapped[WorkerStatus] = mapped_column(
+        _enum(WorkerStatus, "worker_status"),
+        nullable=False,
+        server_default=WorkerStatus.STARTING.value,
+    )
+    host: Mapped[str | None] = mapped_column(String(255))
+    pid: Mapped[int | None] = mapped_column(Integer)
+    node_id: Mapped[str | None] = mapped_column(String(128))
+    started_at: Mapped[datetime] = _created()
+    last_heartbeat_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), nullable=False
+    )
+    last_progress_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), nullable=False
+    )
+    tokens_generated: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    restarts: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    loaded_version: Mapped[int | None] = mapped_column(Integer)
+    stopped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    info: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, nullable=False, server_default=text("'{}'::jsonb")
+    )
+
+    __table_args__ = (
+        UniqueConstraint("job_id", "name", "incarnation"),
+        Index("ix_workers_job_id_status", "job_id", "status"),
+    )
+
+
+class Episode(Base):
+    __tablename__ = "episodes"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="RESTRICT"), nullable=False)
+    task_id: Mapped[int] = mapped_column(
+        ForeignKey("tasks.id", ondelete="RESTRICT"), nullable=False
+    )
+    prompt_index: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    prompt: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    group_size: Mapped[int] = mapped_column(Integer, nullable=False)
+    status: Mapped[EpisodeStatus] = mapped_column(
+        _enum(EpisodeStatus, "episode_status"),
+        nullable=False,
+        server_default=EpisodeStatus.QUEUED.value,
+    )
+    lease_owner: Mapped[int | None] = mapped_column(ForeignKey("workers.id", ondelete="RESTRICT"))
+    lease_epoch: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    leased_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    # Set when this episode re-generates the prompt of an expired one.
+    requeued_from: Mapped[int | None] = mapped_column(
+        ForeignKey("episodes.id", ondelete="SET NULL")
+    )
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = _created()
+    updated_at: Mapped[datetime] = _updated()
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        CheckConstraint("group_size >= 1", name="group_size_min"),
+        CheckConstraint("attempts >= 0", name="attempts_nonneg"),
+        CheckConstraint(
+            "(status = 'leased') = (lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL)",
+            name="lease_iff_leased",
+        ),
+        Index("ix_episodes_task_id_status", "task_id", "status"),
+        Index("ix_episodes_job_id_status", "job_id", "status"),
+        Index(
+            "ix_episodes_lease_expires_at",
+            "lease_expires_at",
+            postgresql_where=text("status = 'leased'"),
+        ),
+    )
+
+
+trajectory_id_seq = Sequence("trajectories_id_seq", metadata=Base.metadata)
+
+
+class Trajectory(Base):
+    """One sample of a group: the replay buffer. Partitioned by ``task_id``."""
+
+    __tablename__ = "trajectories"
+
+    task_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    id: Mapped[int] = mapped_column(
+        BigInteger,
+        trajectory_id_seq,
+        primary_key=True,
+        server_default=trajectory_id_seq.next_value(),
+    )
+    episode_id: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    sample_index: Mapped[int] = mapped_column(Integer, nullable=False)
+    status: Mapped[TrajectoryStatus] = mapped_column(
+        _enum(TrajectoryStatus, "trajectory_status"),
+        nullable=False,
+        server_default=TrajectoryStatus.IN_PROGRESS.value,
+    )
+    # Lease epoch of the episode when this row was last written (fencing audit).
+    lease_epoch: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    token_ids: Mapped[bytes] = mapped_column(
+        LargeBinary, nullable=False, server_default=text("'\\x'::bytea")
+    )
+    loss_mask: Mapped[bytes] = mapped_column(
+        LargeBinary, nullable=False, server_default=text("'\\x'::bytea")
+    )
+    behaviour_logprobs: Mapped[bytes] = mapped_column(
+        LargeBinary, nullable=False, server_default=text("'\\x'::bytea")
+    )
+    num_tokens: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    num_turns: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    # Token offset where each turn starts, and the policy version that generated each turn.
+    turn_offsets: Mapped[list[int]] = mapped_column(
+        ARRAY(Integer), nullable=False, server_default=text("'{}'::integer[]")
+    )
+    turn_versions: Mapped[list[int]] = mapped_column(
+        ARRAY(Integer), nullable=False, server_default=text("'{}'::integer[]")
+    )
+    # Oldest turn version: the staleness filter compares it with policy_version - max_staleness.
+    min_policy_version: Mapped[int | None] = mapped_column(Integer)
+    env_state: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, nullable=False, server_default=text("'{}'::jsonb")
+    )
+    finished: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default=text("false"))
+    reward: Mapped[float | None] = mapped_column(Double)
+    reward_info: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, nullable=False, server_default=text("'{}'::jsonb")
+    )
+    claimed_step: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = _created()
+    updated_at: Mapped[datetime] = _updated()
+    ready_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    consumed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    __table_args__ = (
+        ForeignKeyConstraint(["episode_id"], ["episodes.id"], ondelete="RESTRICT"),
+        ForeignKeyConstraint(["task_id"], ["tasks.id"], ondelete="RESTRICT"),
+        UniqueConstraint("task_id", "episode_id", "sample_index"),
+        CheckConstraint("sample_index >= 0", name="sample_index_nonneg"),
+        CheckConstraint(
+            "(status IN ('ready', 'claimed', 'consumed')) <= (reward IS NOT NULL)",
+            name="reward_when_ready",
+        ),
+        Index("ix_trajectories_task_id_status", "task_id", "status", "min_policy_version"),
+        {"postgresql_partition_by": "LIST (task_id)"},
+    )
+
+
+class TrainStep(Base):
+    __tablename__ = "train_steps"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="RESTRICT"), nullable=False)
+    step: Mapped[int] = mapped_column(Integer, nullable=False)
+    # The policy version this step produced.
+    policy_version: Mapped[int] = mapped_column(Integer, nullable=False)
+    task_mix: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, nullable=False, server_default=text("'{}'::jsonb")
+    )
+    num_trajectories: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    checkpoint_uri: Mapped[str | None] = mapped_column(Text)
+    metrics: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, nullable=False, server_default=text("'{}'::jsonb")
+    )
+    created_at: Mapped[datetime] = _created()
+
+    __table_args__ = (
+        UniqueConstraint("job_id", "step"),
+        CheckConstraint("step >= 0", name="step_nonneg"),
+    )
+
+
+class Event(Base):
+    """Audit record: operator actions, restarts, drills, quarantines."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"))
+    task_id: Mapped[int | None] = mapped_column(ForeignKey("tasks.id", ondelete="SET NULL"))
+    worker_id: Mapped[int | None] = mapped_column(ForeignKey("workers.id", ondelete="SET NULL"))
+    kind: Mapped[str] = mapped_column(String(63), nullable=False)
+    actor: Mapped[str] = mapped_column(String(255), nullable=False)
+    message: Mapped[str] = mapped_column(Text, nullable=False, server_default="")
+    payload: Mapped[dict[str, Any]] = mapped_column(
+        JSONB, nullable=False, server_default=text("'{}'::jsonb")
+    )
+    created_at: Mapped[datetime] = _created()
+
+    __table_args__ = (
+        Index("ix_events_job_id_created_at", "job_id", "created_at"),
+        Index("ix_events_kind_created_at", "kind", "created_at"),
+    )

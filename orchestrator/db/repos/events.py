@@ -1,0 +1,76 @@
+"""The audit log: append and read events."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from orchestrator.db.models import Event
+from orchestrator.domain import EventView
+
+
+def event_view(e: Event) -> EventView:
+    return EventView(
+        id=e.id,
+        kind=e.kind,
+        actor=e.actor,
+        message=e.message,
+        job_id=e.job_id,
+        task_id=e.task_id,
+        payload=dict(e.payload or {}),
+        created_at=e.created_at,
+    )
+
+
+class EventRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def add(
+        self,
+        kind: str,
+        actor: str,
+        message: str,
+        *,
+        job_id: int | None = None,
+        task_id: int | None = None,
+        worker_id: int | None = None,
+        payload: dict[str, Any] | None = None,
+    ) -> EventView:
+        ev = Event(
+            kind=kind,
+            actor=actor,
+            message=message,
+            job_id=job_id,
+            task_id=task_id,
+            worker_id=worker_id,
+            payload=payload or {},
+        )
+        self.session.add(ev)
+        self.session.flush()
+        self.session.refresh(ev)
+        return event_view(ev)
+
+    def list(
+        self,
+        *,
+        job_id: int | None = None,
+        task_id: int | None = None,
+        kind: str | None = None,
+        since: datetime | None = None,
+        limit: int = 100,
+    ) -> list[EventView]:
+        q = select(Event)
+        if job_id is not None:
+            q = q.where(Event.job_id == job_id)
+        if task_id is not None:
+            q = q.where(Event.task_id == task_id)
+        if kind is not None:
+            q = q.where(Event.kind.startswith(kind) if kind.endswith(".") else Event.kind == kind)
+        if since is not None:
+            q = q.where(Event.created_at >= since)
+        q = q.order_by(Event.id.desc()).limit(limit)
+        return [event_view(e) for e in reversed(list(self.session.scalars(q)))]

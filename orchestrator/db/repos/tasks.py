@@ -1,0 +1,202 @@
+"""Tasks of a job and their trajectory partitions.
+
+Registration inserts the task and attaches its partition in the caller's transaction, so a
+failure leaves neither behind; retirement detaches the partition (the rows stay, in a table
+of their own). Partition DDL goes through SECURITY DEFINER functions created by the migration,
+so the runtime database role needs no CREATE privilege.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select, text, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from orchestrator.db.models import Episode, Job, Task, Trajectory, partition_name
+from orchestrator.domain import TaskCounts, TaskStatus, TaskView
+from orchestrator.errors import ConflictError
+
+
+def task_view(task: Task, job_name: str) -> TaskView:
+    return TaskView(
+        id=task.id,
+        job_id=task.job_id,
+        job_name=job_name,
+        name=task.name,
+        plugin=task.plugin,
+        spec=dict(task.spec or {}),
+        weight=task.weight,
+        max_inflight=task.max_inflight,
+        max_staleness=task.max_staleness,
+        status=TaskStatus(task.status),
+        partition=partition_name(task.id),
+        prompt_cursor=task.prompt_cursor,
+        created_at=task.created_at,
+        updated_at=task.updated_at,
+        retired_at=task.retired_at,
+    )
+
+
+class TaskRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def _views(self, rows: Any) -> list[TaskView]:
+        return [task_view(t, jn) for t, jn in rows]
+
+    def create(
+        self,
+        *,
+        job_id: int,
+        name: str,
+        plugin: str,
+        spec: dict[str, Any],
+        weight: float,
+        max_inflight: int,
+        max_staleness: int,
+    ) -> TaskView:
+        task = Task(
+            job_id=job_id,
+            name=name,
+            plugin=plugin,
+            spec=spec,
+            weight=weight,
+            max_inflight=max_inflight,
+            max_staleness=max_staleness,
+        )
+        self.session.add(task)
+        try:
+            self.session.flush()
+        except IntegrityError as e:
+            if "uq_tasks_job_id_name_live" in str(e.orig):
+                raise ConflictError(
+                    f"a task named {name!r} already exists in this job; choose another name or "
+                    f"retire the existing one"
+                ) from None
+            raise
+        self.session.execute(text("SELECT rollcall_attach_task_partition(:id)"), {"id": task.id})
+        self.session.refresh(task)
+        job_name = self.session.scalar(select(Job.name).where(Job.id == job_id))
+        assert job_name is not None
+        return task_view(task, job_name)
+
+    def get_by_name(self, job_id: int, name: str, *, for_update: bool = False) -> TaskView | None:
+        q = (
+            select(Task, Job.name)
+            .join(Job, Job.id == Task.job_id)
+            .where(Task.job_id == job_id, Task.name == name)
+            .order_by(Task.status == TaskStatus.RETIRED, Task.id.desc())
+            .limit(1)
+        )
+        if for_update:
+            q = q.with_for_update(of=Task)
+        rows = self._views(self.session.execute(q))
+        return rows[0] if rows else None
+
+    def get(self, task_id: int) -> TaskView | None:
+        q = select(Task, Job.name).join(Job, Job.id == Task.job_id).where(Task.id == task_id)
+        rows = self._views(self.session.execute(q))
+        return rows[0] if rows else None
+
+    def list(self, job_id: int | None = None, *, include_retired: bool = True) -> list[TaskView]:
+        q = select(Task, Job.name).join(Job, Job.id == Task.job_id)
+        if job_id is not None:
+            q = q.where(Task.job_id == job_id)
+        if not include_retired:
+            q = q.where(Task.status != TaskStatus.RETIRED)
+        return self._views(self.session.execute(q.order_by(Task.job_id, Task.id)))
+
+    def set_status(self, task_id: int, status: TaskStatus) -> TaskView:
+        self.session.execute(update(Task).where(Task.id == task_id).values(status=status))
+        view = self.get(task_id)
+        assert view is not None
+        return view
+
+    def set_quota(
+        self,
+        task_id: int,
+        *,
+        weight: float | None = None,
+        max_inflight: int | None = None,
+        max_staleness: int | None = None,
+    ) -> TaskView:
+        values: dict[str, Any] = {}
+        if weight is not None:
+            values["weight"] = weight
+        if max_inflight is not None:
+            values["max_inflight"] = max_inflight
+        if max_staleness is not None:
+            values["max_staleness"] = max_staleness
+        if values:
+            self.session.execute(update(Task).where(Task.id == task_id).values(**values))
+        view = self.get(task_id)
+        assert view is not None
+        return view
+
+    def retire(self, task_id: int) -> TaskView:
+        """Mark retired and detach the task's partition (its rows are kept, detached)."""
+        self.session.execute(
+            update(Task)
+            .where(Task.id == task_id)
+            .values(status=TaskStatus.RETIRED, retired_at=func.now())
+        )
+        self.session.execute(text("SELECT rollcall_detach_task_partition(:id)"), {"id": task_id})
+        view = self.get(task_id)
+        assert view is not None
+        return view
+
+    def counts(self, task_id: int) -> TaskCounts:
+        episodes = {
+            str(s.value if hasattr(s, "value") else s): n
+            for s, n in self.session.execute(
+                select(Episode.status, func.count())
+                .where(Episode.task_id == task_id)
+                .group_by(Episode.status)
+            )
+        }
+        attached = self.partition_attached(task_id)
+        trajectories: dict[str, int] = {}
+        if attached:
+            trajectories = {
+                str(s.value if hasattr(s, "value") else s): n
+                for s, n in self.session.execute(
+                    select(Trajectory.status, func.count())
+                    .where(Trajectory.task_id == task_id)
+                    .group_by(Trajectory.status)
+                )
+            }
+        return TaskCounts(episodes=episodes, trajectories=trajectories, partition_attached=attached)
+
+    def partition_attached(self, task_id: int) -> bool:
+        return bool(
+            self.session.scalar(
+                text(
+                    "SELECT EXISTS (SELECT 1 FROM pg_inherits i "
+                    "JOIN pg_class c ON c.oid = i.inhrelid "
+                    "JOIN pg_class p ON p.oid = i.inhparent "
+                    "WHERE p.relname = 'trajectories' AND c.relname = :name)"
+                ),
+                {"name": partition_name(task_id)},
+            )
+        )
+
+    def partition_exists(self, task_id: int) -> bool:
+        return (
+            self.session.scalar(
+                text("SELECT to_regclass(:name) IS NOT NULL"), {"name": partition_name(task_id)}
+            )
+            or False
+        )
+
+    def episodes_outstanding(self, task_id: int) -> int:
+        """Episodes still queued or leased (work not yet finished)."""
+        return (
+            self.session.scalar(
+                select(func.count())
+                .select_from(Episode)
+                .where(Episode.task_id == task_id, Episode.status.in_(["queued", "leased"]))
+            )
+            or 0
+        )

@@ -1,0 +1,226 @@
+"""Task registry actions: register, pause/resume/drain, set-quota, retire.
+
+Every check runs before the first write, and every action runs inside the caller's
+transaction, so a refused action leaves no row, partition or event behind. Each applied
+action writes one ``task.*`` event with the values before and after.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from orchestrator.config import check_name, format_validation_error, read_yaml_mapping
+from orchestrator.db.engine import Tx
+from orchestrator.defaults import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_STALENESS, DEFAULT_WEIGHT
+from orchestrator.domain import TaskStatus, TaskView
+from orchestrator.errors import ConflictError, NotFoundError, UserError
+from orchestrator.services.jobs import require_job
+from tasks import registry
+
+# action -> (statuses it applies to, resulting status)
+TRANSITIONS: dict[str, tuple[frozenset[TaskStatus], TaskStatus]] = {
+    "pause": (frozenset({TaskStatus.ACTIVE, TaskStatus.DRAINING}), TaskStatus.PAUSED),
+    "resume": (frozenset({TaskStatus.PAUSED, TaskStatus.DRAINING}), TaskStatus.ACTIVE),
+    "drain": (frozenset({TaskStatus.ACTIVE, TaskStatus.PAUSED}), TaskStatus.DRAINING),
+}
+EVENT_KIND = {"pause": "task.paused", "resume": "task.resumed", "drain": "task.draining"}
+
+
+def validate_quota(
+    weight: float | None, max_inflight: int | None, max_staleness: int | None
+) -> None:
+    if weight is not None and not weight > 0:  # also rejects NaN
+        raise UserError(f"--weight must be greater than 0 (got {weight}); pass e.g. --weight 1")
+    if weight is not None and weight == float("inf"):
+        raise UserError("--weight must be a finite number; pass e.g. --weight 1")
+    if max_inflight is not None and max_inflight < 1:
+        raise UserError(
+            f"--max-inflight must be at least 1 (got {max_inflight}); pause the task instead of "
+            "setting it to 0"
+        )
+    if max_staleness is not None and max_staleness < 0:
+        raise UserError(
+            f"--max-staleness must be 0 or more (got {max_staleness}); 0 means on-policy only"
+        )
+
+
+def check_quota_change(
+    weight: float | None, max_inflight: int | None, max_staleness: int | None
+) -> None:
+    if weight is None and max_inflight is None and max_staleness is None:
+        raise UserError("set-quota needs at least one of --weight, --max-inflight, --max-staleness")
+    validate_quota(weight, max_inflight, max_staleness)
+
+
+def check_retire_confirmed(name: str, confirmed: bool) -> None:
+    if not confirmed:
+        raise UserError(
+            f"retiring task {name!r} detaches its trajectory partition and cannot be undone; "
+            "pass --yes to confirm"
+        )
+
+
+def validate_spec(plugin_name: str, data: dict[str, Any], source: str) -> dict[str, Any]:
+    """Validate a spec against the plugin's Spec model; returns it with defaults filled in."""
+    plugin = registry.get(plugin_name)
+    try:
+        spec = plugin.Spec.model_validate(data)
+    except ValidationError as e:
+        raise UserError(
+            f"task spec for plugin {plugin_name!r} is invalid: "
+            + format_validation_error(e, source)
+        ) from None
+    return spec.model_dump(mode="json")
+
+
+def resolve_plugin(name: str) -> None:
+    try:
+        registry.get(name)
+    except registry.UnknownPluginError as e:
+        raise UserError(f"--plugin: {e}") from None
+
+
+def require_task(tx: Tx, job_name: str, name: str, *, for_update: bool = False) -> TaskView:
+    job = require_job(tx, job_name)
+    task = tx.tasks.get_by_name(job.id, name, for_update=for_update)
+    if task is None:
+        raise NotFoundError(
+            f"task {name!r} does not exist in job {job_name!r}; see `rollcall task list --job "
+            f"{job_name}`"
+        )
+    return task
+
+
+def register_task(
+    tx: Tx,
+    *,
+    job_name: str,
+    name: str,
+    plugin: str,
+    actor: str,
+    weight: float = DEFAULT_WEIGHT,
+    max_inflight: int = DEFAULT_MAX_INFLIGHT,
+    max_staleness: int = DEFAULT_MAX_STALENESS,
+    spec_file: Path | None = None,
+    spec_data: dict[str, Any] | None = None,
+) -> TaskView:
+    try:
+        check_name(name, "task name")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    resolve_plugin(plugin)
+    validate_quota(weight, max_inflight, max_staleness)
+    if spec_file is not None:
+        data = read_yaml_mapping(spec_file, "spec")
+        source = str(spec_file)
+    else:
+        data = spec_data or {}
+        source = "spec"
+    spec = validate_spec(plugin, data, source)
+    job = require_job(tx, job_name)
+    task = tx.tasks.create(
+        job_id=job.id,
+        name=name,
+        plugin=plugin,
+        spec=spec,
+        weight=weight,
+        max_inflight=max_inflight,
+        max_staleness=max_staleness,
+    )
+    tx.events.add(
+        "task.registered",
+        actor,
+        f"task {name!r} registered with plugin {plugin!r}",
+        job_id=job.id,
+        task_id=task.id,
+        payload={
+            "plugin": plugin,
+            "weight": weight,
+            "max_inflight": max_inflight,
+            "max_staleness": max_staleness,
+            "spec": spec,
+            "partition": task.partition,
+        },
+    )
+    return task
+
+
+def change_status(
+    tx: Tx, *, job_name: str, name: str, action: str, actor: str
+) -> tuple[TaskView, bool]:
+    """Apply pause/resume/drain. Returns the task and whether anything changed."""
+    allowed, target = TRANSITIONS[action]
+    task = require_task(tx, job_name, name, for_update=True)
+    if task.status == target:
+        return task, False
+    if task.status not in allowed:
+        raise ConflictError(
+            f"cannot {action} task {name!r}: it is {task.status.value}"
+            + ("; a retired task takes no actions" if task.status == TaskStatus.RETIRED else "")
+        )
+    updated = tx.tasks.set_status(task.id, target)
+    tx.events.add(
+        EVENT_KIND[action],
+        actor,
+        f"task {name!r}: {task.status.value} -> {target.value}",
+        job_id=task.job_id,
+        task_id=task.id,
+        payload={"from": task.status.value, "to": target.value},
+    )
+    return updated, True
+
+
+def set_quota(
+    tx: Tx,
+    *,
+    job_name: str,
+    name: str,
+    actor: str,
+    weight: float | None = None,
+    max_inflight: int | None = None,
+    max_staleness: int | None = None,
+) -> TaskView:
+    check_quota_change(weight, max_inflight, max_staleness)
+    task = require_task(tx, job_name, name, for_update=True)
+    if task.status == TaskStatus.RETIRED:
+        raise ConflictError(f"task {name!r} is retired; its quota cannot change")
+    updated = tx.tasks.set_quota(
+        task.id, weight=weight, max_inflight=max_inflight, max_staleness=max_staleness
+    )
+    before = {k: getattr(task, k) for k in ("weight", "max_inflight", "max_staleness")}
+    after = {k: getattr(updated, k) for k in ("weight", "max_inflight", "max_staleness")}
+    tx.events.add(
+        "task.quota_changed",
+        actor,
+        f"task {name!r} quota changed",
+        job_id=task.job_id,
+        task_id=task.id,
+        payload={"before": before, "after": after},
+    )
+    return updated
+
+
+def retire_task(tx: Tx, *, job_name: str, name: str, confirmed: bool, actor: str) -> TaskView:
+    check_retire_confirmed(name, confirmed)
+    task = require_task(tx, job_name, name, for_update=True)
+    if task.status == TaskStatus.RETIRED:
+        raise ConflictError(f"task {name!r} is already retired")
+    outstanding = tx.tasks.episodes_outstanding(task.id)
+    if outstanding:
+        raise ConflictError(
+            f"task {name!r} still has {outstanding} queued or leased episodes; run `rollcall task "
+            f"drain {name}` and retire it once they have finished"
+        )
+    updated = tx.tasks.retire(task.id)
+    tx.events.add(
+        "task.retired",
+        actor,
+        f"task {name!r} retired; partition {task.partition} detached",
+        job_id=task.job_id,
+        task_id=task.id,
+        payload={"from": task.status.value, "partition": task.partition},
+    )
+    return updated

@@ -1,0 +1,41 @@
+"""``echo``: repeat a short sequence of words. The smallest plugin; it exercises the registry
+and drives the buffer's state machine in tests without a model."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, ClassVar
+
+from pydantic import Field, model_validator
+
+from tasks.base import TaskSpec
+
+DEFAULT_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
+
+
+class EchoSpec(TaskSpec):
+    words: tuple[str, ...] = Field(default=DEFAULT_WORDS, min_length=1)
+    min_length: int = Field(default=1, ge=1, le=64)
+    max_length: int = Field(default=4, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _lengths(self) -> EchoSpec:
+        if self.max_length < self.min_length:
+            raise ValueError("max_length must be at least min_length")
+        return self
+
+
+class EchoTask:
+    name: ClassVar[str] = "echo"
+    description: ClassVar[str] = "Repeat a short sequence of words (no tools; for plumbing tests)."
+    Spec: ClassVar[type[TaskSpec]] = EchoSpec
+
+    def prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
+        assert isinstance(spec, EchoSpec)
+        rng = random.Random(f"echo:{spec.seed}:{index}")
+        n = rng.randint(spec.min_length, spec.max_length)
+        target = " ".join(rng.choice(spec.words) for _ in range(n))
+        return {"index": index, "text": f"Repeat exactly: {target}", "target": target}
+
+    def reward(self, spec: TaskSpec, prompt: dict[str, Any], completion: str) -> float:
+        return 1.0 if completion.strip() == prompt["target"] else 0.0

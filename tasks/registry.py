@@ -1,0 +1,61 @@
+"""Registry of task plugins by name.
+
+Built-in plugins are listed here by name and module (imported only when asked for);
+third-party plugins register under the ``rollcall.tasks`` entry-point group
+(``name = "package.module:PluginClass"``). There is no way to load a plugin from a file path.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+from tasks.base import TaskPlugin
+
+ENTRY_POINT_GROUP = "rollcall.tasks"
+
+# name -> "module:Class" of the built-in plugins
+BUILTIN: dict[str, str] = {
+    "echo": "tasks.echo:EchoTask",
+}
+
+
+class UnknownPluginError(LookupError):
+    def __init__(self, name: str, available: list[str]) -> None:
+        self.name = name
+        self.available = available
+        super().__init__(
+            f"unknown task plugin {name!r}; available plugins: {', '.join(available) or 'none'} "
+            "(see `rollcall task plugins`)"
+        )
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    name: str
+    source: str  # "builtin" or the distribution that provides it
+    target: str  # "module:Class"
+
+
+def available() -> dict[str, PluginInfo]:
+    found = {n: PluginInfo(n, "builtin", t) for n, t in BUILTIN.items()}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in found:
+            continue  # built-ins cannot be shadowed
+        dist = ep.dist.name if ep.dist is not None else "unknown"
+        found[ep.name] = PluginInfo(ep.name, dist, ep.value)
+    return dict(sorted(found.items()))
+
+
+def get(name: str) -> TaskPlugin:
+    infos = available()
+    info = infos.get(name)
+    if info is None:
+        raise UnknownPluginError(name, list(infos))
+    module_name, _, attr = info.target.partition(":")
+    cls = getattr(importlib.import_module(module_name), attr)
+    plugin = cls()
+    if not isinstance(plugin, TaskPlugin) or plugin.name != name:
+        raise TypeError(f"task plugin {name!r} ({info.target}) does not implement TaskPlugin")
+    return plugin
