@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +70,3 @@ def actor() -> str:
     from orchestrator.services.jobs import operator_actor
 
     return operator_actor()
-
-
-def default_job() -> str:
-    return os.environ.get("ROLLCALL_JOB", "default")

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from orchestrator.cli.common import actor, console, default_job, open_db, print_json
+from orchestrator.cli.common import actor, console, open_db, print_json
 from orchestrator.defaults import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_STALENESS, DEFAULT_WEIGHT
 
 if TYPE_CHECKING:
@@ -19,10 +19,7 @@ app = typer.Typer(
 )
 
 JobOpt = Annotated[
-    str,
-    typer.Option(
-        "--job", envvar="ROLLCALL_JOB", help="Job the task belongs to.", default_factory=default_job
-    ),
+    str, typer.Option("--job", envvar="ROLLCALL_JOB", help="Job the task belongs to.")
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 NameArg = Annotated[str, typer.Argument(help="Task name.")]
@@ -42,7 +39,7 @@ def register(
     plugin: Annotated[
         str, typer.Option("--plugin", help="Registered plugin name (see `task plugins`).")
     ],
-    job: JobOpt,
+    job: JobOpt = "default",
     weight: Annotated[
         float, typer.Option(help="Share of rollout claims and batch groups.")
     ] = DEFAULT_WEIGHT,
@@ -112,7 +109,7 @@ def plugins(json_out: JsonOpt = False) -> None:
 
 
 @app.command("list")
-def list_(ctx: typer.Context, job: JobOpt, json_out: JsonOpt = False) -> None:
+def list_(ctx: typer.Context, job: JobOpt = "default", json_out: JsonOpt = False) -> None:
     """List the tasks of a job, retired ones included."""
     from orchestrator.services.jobs import require_job
 
@@ -144,7 +141,9 @@ def list_(ctx: typer.Context, job: JobOpt, json_out: JsonOpt = False) -> None:
 
 
 @app.command()
-def show(ctx: typer.Context, name: NameArg, job: JobOpt, json_out: JsonOpt = False) -> None:
+def show(
+    ctx: typer.Context, name: NameArg, job: JobOpt = "default", json_out: JsonOpt = False
+) -> None:
     """Show a task: quota, spec, work by status, recent events."""
     from orchestrator.services.tasks import require_task
 
@@ -199,19 +198,19 @@ def _transition(ctx: typer.Context, name: str, job: str, action: str) -> None:
 
 
 @app.command()
-def pause(ctx: typer.Context, name: NameArg, job: JobOpt) -> None:
+def pause(ctx: typer.Context, name: NameArg, job: JobOpt = "default") -> None:
     """Stop new claims for the task; episodes in flight finish."""
     _transition(ctx, name, job, "pause")
 
 
 @app.command()
-def resume(ctx: typer.Context, name: NameArg, job: JobOpt) -> None:
+def resume(ctx: typer.Context, name: NameArg, job: JobOpt = "default") -> None:
     """Return a paused or draining task to active."""
     _transition(ctx, name, job, "resume")
 
 
 @app.command()
-def drain(ctx: typer.Context, name: NameArg, job: JobOpt) -> None:
+def drain(ctx: typer.Context, name: NameArg, job: JobOpt = "default") -> None:
     """Finish the task's outstanding work and seed no more (then it can be retired)."""
     _transition(ctx, name, job, "drain")
 
@@ -220,7 +219,7 @@ def drain(ctx: typer.Context, name: NameArg, job: JobOpt) -> None:
 def set_quota(
     ctx: typer.Context,
     name: NameArg,
-    job: JobOpt,
+    job: JobOpt = "default",
     weight: Annotated[
         float | None, typer.Option(help="New weight (> 0).", show_default=False)
     ] = None,
@@ -256,7 +255,7 @@ def set_quota(
 def retire(
     ctx: typer.Context,
     name: NameArg,
-    job: JobOpt,
+    job: JobOpt = "default",
     yes: Annotated[bool, typer.Option("--yes", help="Confirm: retiring cannot be undone.")] = False,
 ) -> None:
     """Retire a drained task and detach its trajectory partition (rows are kept)."""

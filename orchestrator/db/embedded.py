@@ -43,6 +43,7 @@ DATABASE = "rollcall"
 PORT = 5432
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
+START_ATTEMPTS = 3
 _SOCKET_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
 
 
@@ -171,8 +172,13 @@ class EmbeddedPostgres:
         except psycopg.Error:
             return False
 
-    def _run_as(self) -> str | None:
-        return SYSTEM_USER if os.geteuid() == 0 else None
+    def _run_as(self) -> dict[str, Any]:
+        """As root: the system user, with its own group and no supplementary groups (root's
+        group would otherwise decide access to folders like a 0701 temporary directory)."""
+        if os.geteuid() != 0:
+            return {}
+        entry = pwd.getpwnam(SYSTEM_USER)
+        return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
 
     def _run_pg(self, exe: str, args: list[str], timeout: float = START_TIMEOUT_S) -> str:
         cmd = [str(_bin_dir() / exe), *args]
@@ -184,7 +190,7 @@ class EmbeddedPostgres:
                 stderr=subprocess.PIPE if exe != "pg_ctl" else subprocess.DEVNULL,
                 text=True,
                 timeout=timeout,
-                user=self._run_as(),
+                **self._run_as(),
                 cwd=str(self.root) if self.root.exists() else None,
                 check=False,
             )
@@ -248,10 +254,21 @@ class EmbeddedPostgres:
             return None
 
     def _remove_stale_pidfile(self) -> None:
+        """Remove lock files of a postmaster that is dead or a zombie. PostgreSQL itself only
+        asks ``kill(pid, 0)``, which succeeds on a zombie, and would refuse to start."""
         pid = self._postmaster_pid()
         if pid is not None and not _alive(pid):
             with contextlib.suppress(FileNotFoundError):
                 (self.pgdata / "postmaster.pid").unlink()
+        sock_lock = self.socket_dir / f".s.PGSQL.{PORT}.lock"
+        try:
+            lock_pid = int(sock_lock.read_text().splitlines()[0])
+        except (OSError, ValueError, IndexError):
+            return
+        if not _alive(lock_pid):
+            for p in (sock_lock, self.socket_dir / f".s.PGSQL.{PORT}"):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
 
     def _start(self) -> None:
         self._prepare_dirs()
@@ -264,13 +281,19 @@ class EmbeddedPostgres:
                 f"embedded PostgreSQL (pid {pid}) is running but does not accept connections; "
                 f"see {self.log_path}, or stop it with `rollcall db stop`"
             )
-        self._remove_stale_pidfile()
         options = f"-c listen_addresses='' -k {self.socket_dir} -p {PORT} -c max_connections=300"
-        self._run_pg(
-            "pg_ctl",
-            ["-D", str(self.pgdata), "-l", str(self.log_path), "-o", options, "-w",
-             "-t", str(int(START_TIMEOUT_S)), "start"],
-        )  # fmt: skip
+        args = ["-D", str(self.pgdata), "-l", str(self.log_path), "-o", options, "-w",
+                "-t", str(int(START_TIMEOUT_S)), "start"]  # fmt: skip
+        # Backends of a killed postmaster can hold its shared memory for a moment: retry.
+        for attempt in range(START_ATTEMPTS):
+            self._remove_stale_pidfile()
+            try:
+                self._run_pg("pg_ctl", args)
+                break
+            except DatabaseUnavailableError:
+                if attempt == START_ATTEMPTS - 1:
+                    raise
+                time.sleep(1.0)
         if not self._wait_until_answers(START_TIMEOUT_S):
             raise DatabaseUnavailableError(
                 f"embedded PostgreSQL started but does not accept connections; see {self.log_path}"

@@ -1,0 +1,193 @@
+"""Shared fixtures.
+
+Integration tests run against a real PostgreSQL: the embedded server, started once per test
+session in a temporary ROLLCALL_HOME. A template database is migrated to head once; each test
+that needs the schema gets a fresh copy of it (``CREATE DATABASE ... TEMPLATE``), so tests that
+commit (the CLI does) stay isolated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+
+TEMPLATE_DB = "rc_template"
+_counter = itertools.count()
+
+
+@dataclass
+class PgServer:
+    home: Path
+    socket_dir: Path
+
+    def url(self, database: str) -> str:
+        return f"postgresql+psycopg://postgres@/{database}?host={self.socket_dir}&port=5432"
+
+    def admin(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(
+            host=str(self.socket_dir),
+            port=5432,
+            user="postgres",
+            dbname="postgres",
+            autocommit=True,
+        )
+
+    def create_database(self, name: str, template: str | None = None) -> str:
+        with self.admin() as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            tmpl = f' TEMPLATE "{template}" STRATEGY FILE_COPY' if template else ""
+            conn.execute(f'CREATE DATABASE "{name}"{tmpl}')
+        return self.url(name)
+
+    def drop_database(self, name: str) -> None:
+        with self.admin() as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def short_tmpdir(prefix: str) -> Path:
+    # Unix socket paths are limited to ~108 bytes: keep state directories short.
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+
+
+@pytest.fixture(scope="session")
+def pg() -> Iterator[PgServer]:
+    from orchestrator.db.embedded import EmbeddedPostgres
+
+    home = short_tmpdir("rc-test-")
+    server = EmbeddedPostgres(home)
+    server.ensure_running()
+    try:
+        yield PgServer(home=home, socket_dir=server.socket_dir)
+    finally:
+        server.stop()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def template_url(pg: PgServer) -> str:
+    from orchestrator.db import migrate
+
+    url = pg.create_database(TEMPLATE_DB)
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        migrate.upgrade(conn)
+        conn.commit()
+    engine.dispose()
+    return url
+
+
+@pytest.fixture
+def empty_db_url(pg: PgServer) -> Iterator[str]:
+    """A fresh database with no schema at all."""
+    name = f"t_empty_{os.getpid()}_{next(_counter)}"
+    yield pg.create_database(name)
+    pg.drop_database(name)
+
+
+@pytest.fixture
+def db_url(pg: PgServer, template_url: str) -> Iterator[str]:
+    """A fresh database migrated to head (a copy of the template)."""
+    name = f"t_{os.getpid()}_{next(_counter)}"
+    yield pg.create_database(name, template=TEMPLATE_DB)
+    pg.drop_database(name)
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Any]:
+    from orchestrator.db.engine import open_database
+
+    database = open_database(db_url)
+    yield database
+    database.dispose()
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[sa.Engine]:
+    eng = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
+    yield eng
+    eng.dispose()
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def cli(db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Run ``rollcall ARGS`` in-process against the test database."""
+    monkeypatch.setenv("ROLLCALL_DATABASE_URL", db_url)
+    monkeypatch.delenv("ROLLCALL_JOB", raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+    return make_cli_runner(capsys)
+
+
+def make_cli_runner(capsys: pytest.CaptureFixture[str]) -> Any:
+    from orchestrator.cli import main
+
+    def run(*args: str) -> CliResult:
+        capsys.readouterr()
+        code = 0
+        try:
+            main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run
+
+
+def snapshot(url: str) -> dict[str, Any]:
+    """Everything operator commands could write: rows of every table, and the partitions."""
+    eng = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    out: dict[str, Any] = {}
+    with eng.connect() as conn:
+        for table in (
+            "jobs",
+            "tasks",
+            "workers",
+            "episodes",
+            "train_steps",
+            "events",
+            "alembic_version",
+        ):
+            rows = conn.execute(sa.text(f"SELECT * FROM {table} ORDER BY 1")).all()
+            out[table] = [tuple(r) for r in rows]
+        out["relations"] = sorted(
+            tuple(r)
+            for r in conn.execute(
+                sa.text(
+                    "SELECT c.relname, c.relkind, c.relispartition FROM pg_class c "
+                    "JOIN pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE n.nspname = 'public'"
+                )
+            )
+        )
+    eng.dispose()
+    return out
+
+
+@contextlib.contextmanager
+def unchanged(url: str) -> Iterator[None]:
+    before = snapshot(url)
+    yield
+    after = snapshot(url)
+    assert after == before
+
+
+PYTHON = sys.executable

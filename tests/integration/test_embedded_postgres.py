@@ -1,0 +1,176 @@
+"""The embedded PostgreSQL: start, reuse, stop, restart, and survival of killed processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from orchestrator.db.embedded import EmbeddedPostgres
+from tests.conftest import short_tmpdir
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    h = short_tmpdir("rc-emb-")
+    yield h
+    EmbeddedPostgres(h).stop()
+    shutil.rmtree(h, ignore_errors=True)
+
+
+def _query(server: EmbeddedPostgres) -> int:
+    with psycopg.connect(
+        host=str(server.socket_dir), port=5432, user="postgres", dbname="rollcall"
+    ) as c:
+        row = c.execute("SELECT pg_backend_pid()").fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+def _postmaster_pid(server: EmbeddedPostgres) -> int:
+    pid = server.status().pid
+    assert pid is not None
+    return pid
+
+
+def test_start_reuse_stop_restart(home: Path) -> None:
+    server = EmbeddedPostgres(home)
+    st = server.status()
+    assert not st.running and not st.initialised
+
+    url = server.ensure_running()
+    assert url.startswith("postgresql+psycopg://postgres@/rollcall?host=")
+    pid = _postmaster_pid(server)
+    _query(server)
+
+    # Another handle (as a later command would make) reuses the same server.
+    assert EmbeddedPostgres(home).ensure_running() == url
+    assert _postmaster_pid(EmbeddedPostgres(home)) == pid
+
+    assert server.stop() is True
+    assert server.status().running is False
+    assert server.stop() is False  # stopping twice is harmless
+
+    server.ensure_running()  # warm restart keeps the data directory
+    assert server.status().running and _postmaster_pid(server) != pid
+    _query(server)
+
+
+def test_data_survives_restart(home: Path) -> None:
+    server = EmbeddedPostgres(home)
+    server.ensure_running()
+    with psycopg.connect(
+        host=str(server.socket_dir), port=5432, user="postgres", dbname="rollcall"
+    ) as c:
+        c.execute("CREATE TABLE keep (x int)")
+        c.execute("INSERT INTO keep VALUES (42)")
+    server.stop()
+    server.ensure_running()
+    with psycopg.connect(
+        host=str(server.socket_dir), port=5432, user="postgres", dbname="rollcall"
+    ) as c:
+        assert c.execute("SELECT x FROM keep").fetchone() == (42,)
+
+
+CLIENT = textwrap.dedent(
+    """
+    import sys, time, psycopg
+    from pathlib import Path
+    from orchestrator.db.embedded import EmbeddedPostgres
+    s = EmbeddedPostgres(Path(sys.argv[1]))
+    s.ensure_running()
+    conn = psycopg.connect(host=str(s.socket_dir), port=5432, user="postgres", dbname="rollcall")
+    conn.execute("BEGIN")
+    conn.execute("CREATE TABLE held (x int)")
+    print("ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_survives_sigkilled_client(home: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, str(home)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    server = EmbeddedPostgres(home)
+    pid = _postmaster_pid(server)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    # The next command reuses the same server; the killed client's transaction is gone.
+    server.ensure_running()
+    assert _postmaster_pid(server) == pid
+    with psycopg.connect(
+        host=str(server.socket_dir), port=5432, user="postgres", dbname="rollcall"
+    ) as c:
+        c.execute("CREATE TABLE held (x int)")  # no conflict: the open transaction rolled back
+    # And it can still be stopped and started.
+    assert server.stop() is True
+    server.ensure_running()
+    _query(server)
+
+
+def test_restarts_after_postmaster_sigkill(home: Path) -> None:
+    server = EmbeddedPostgres(home)
+    server.ensure_running()
+    pid = _postmaster_pid(server)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and server.status().running:
+        time.sleep(0.05)
+    assert not server.status().running
+
+    server.ensure_running()  # stale postmaster.pid, crash recovery
+    assert _postmaster_pid(server) != pid
+    _query(server)
+
+
+def test_concurrent_first_use_starts_one_server(home: Path) -> None:
+    code = "import sys; from pathlib import Path; from orchestrator.db.embedded import EmbeddedPostgres; print(EmbeddedPostgres(Path(sys.argv[1])).ensure_running())"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(home)], stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    assert len(set(outs)) == 1
+    _query(EmbeddedPostgres(home))
+
+
+def test_cli_db_commands_on_embedded(home: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "ROLLCALL_DATABASE_URL"}
+    env["ROLLCALL_HOME"] = str(home)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    r = run("task", "list")  # starts the server on first use, but refuses: no schema
+    assert r.returncode != 0 and "run `rollcall db upgrade` first" in r.stderr
+    assert run("db", "upgrade").returncode == 0
+    assert run("db", "check").returncode == 0
+    r = run("task", "register", "calc", "--plugin", "echo")
+    assert r.returncode == 0, r.stderr
+    r = run("db", "status", "--json")
+    assert '"running": true' in r.stdout
+    r = run("db", "stop")
+    assert r.returncode == 0 and "stopped" in r.stdout
+    assert not EmbeddedPostgres(home).status().running
+    r = run("task", "list", "--json")  # started again on use, data intact
+    assert r.returncode == 0 and '"calc"' in r.stdout

@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.config import RollcallConfig, apply_overrides, load_config
+from orchestrator.errors import UserError
+from orchestrator.settings import mask_url, resolve_database
+from tasks import registry
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_file_loads_and_names_known_plugins(path: Path) -> None:
+    cfg = load_config(path)
+    assert isinstance(cfg, RollcallConfig)
+    for task in cfg.tasks:
+        plugin = registry.get(task.plugin)
+        plugin.Spec.model_validate(task.spec)
+
+
+def test_configs_folder_is_not_empty() -> None:
+    assert (CONFIGS / "quickstart.yaml").exists()
+
+
+def test_unknown_key_is_named(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("job:\n  name: a\n  nmae: b\n")
+    with pytest.raises(UserError, match=r"job\.nmae: unknown key"):
+        load_config(p)
+
+
+def test_bad_quota_in_config_is_named(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("tasks:\n  - name: a\n    plugin: echo\n    weight: 0\n")
+    with pytest.raises(UserError, match=r"tasks\.0\.weight"):
+        load_config(p)
+
+
+def test_duplicate_task_names_rejected(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("tasks:\n  - {name: a, plugin: echo}\n  - {name: a, plugin: echo}\n")
+    with pytest.raises(UserError, match="repeated: a"):
+        load_config(p)
+
+
+def test_malformed_yaml_names_line(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("job:\n  name: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML at line"):
+        load_config(p)
+
+
+def test_overrides_are_yaml_scalars_not_code() -> None:
+    data = apply_overrides({"job": {"name": "a"}}, ["job.name=b", "x.y=3", "z=__import__('os')"])
+    assert data == {"job": {"name": "b"}, "x": {"y": 3}, "z": "__import__('os')"}
+
+
+def test_override_without_equals_rejected() -> None:
+    with pytest.raises(UserError, match=r"dotted\.key=value"):
+        apply_overrides({}, ["job.name"])
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        ("postgresql://u:s3cret@h:5432/db", "postgresql://u:***@h:5432/db"),
+        (
+            "postgresql+psycopg://user:p%40ss@host/db?sslmode=require",
+            "postgresql+psycopg://user:***@host/db?sslmode=require",
+        ),
+        ("postgresql://u@h/db", "postgresql://u@h/db"),
+        ("postgresql://h/db", "postgresql://h/db"),
+    ],
+)
+def test_mask_url(url: str, masked: str) -> None:
+    assert mask_url(url) == masked
+
+
+def test_database_resolution_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("ROLLCALL_DATABASE_URL", raising=False)
+    monkeypatch.setenv("ROLLCALL_HOME", str(tmp_path))
+    assert resolve_database().embedded
+    assert resolve_database().home == tmp_path
+    assert resolve_database(config_url="postgresql://c/db").url == "postgresql://c/db"
+    monkeypatch.setenv("ROLLCALL_DATABASE_URL", "postgresql://env/db")
+    assert resolve_database(config_url="postgresql://c/db").url == "postgresql://env/db"
+    assert resolve_database("postgresql://x/db", "postgresql://c/db").url == "postgresql://x/db"

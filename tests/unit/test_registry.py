@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from tasks import registry
+from tasks.base import TaskPlugin
+from tasks.echo import EchoSpec
+
+
+def test_echo_is_registered_and_implements_protocol() -> None:
+    assert "echo" in registry.available()
+    plugin = registry.get("echo")
+    assert isinstance(plugin, TaskPlugin)
+    assert plugin.name == "echo"
+
+
+def test_unknown_plugin_lists_available() -> None:
+    with pytest.raises(registry.UnknownPluginError, match="available plugins: echo"):
+        registry.get("tasks.echo:EchoTask")  # an import path is not a plugin name
+
+
+def test_echo_prompt_stream_is_deterministic_and_seeded() -> None:
+    plugin = registry.get("echo")
+    spec = EchoSpec(seed=7)
+    first = [plugin.prompt(spec, i) for i in range(20)]
+    again = [plugin.prompt(spec, i) for i in range(20)]
+    other_seed = [plugin.prompt(EchoSpec(seed=8), i) for i in range(20)]
+    assert first == again
+    assert first != other_seed
+    assert len({p["target"] for p in first}) > 5
+
+
+def test_echo_reward() -> None:
+    plugin = registry.get("echo")
+    spec = EchoSpec()
+    prompt = {"target": "alpha bravo"}
+    assert plugin.reward(spec, prompt, "alpha bravo\n") == 1.0
+    assert plugin.reward(spec, prompt, "alpha") == 0.0
+
+
+def test_echo_spec_validation() -> None:
+    with pytest.raises(ValidationError, match="max_length must be at least min_length"):
+        EchoSpec(min_length=5, max_length=2)
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        EchoSpec.model_validate({"group_sise": 4})
+    with pytest.raises(ValidationError):
+        EchoSpec(group_size=0)
