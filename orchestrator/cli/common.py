@@ -61,6 +61,16 @@ def err_console() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+def table(*headers: str) -> Any:
+    """A rich table whose cells wrap instead of being cut off."""
+    from rich.table import Table
+
+    t = Table()
+    for h in headers:
+        t.add_column(h, overflow="fold")
+    return t
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
     sys.stdout.flush()

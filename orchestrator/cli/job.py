@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from orchestrator.cli.common import actor, console, open_db, print_json
+from orchestrator.cli.common import table as make_table
 
 app = typer.Typer(
     help="Jobs: long-running training runs that tasks belong to.", no_args_is_help=True
@@ -43,9 +44,7 @@ def list_(
     if json_out:
         print_json([{**j.to_json(), "tasks": ntasks[j.id]} for j in jobs])
         return
-    from rich.table import Table
-
-    table = Table("name", "status", "policy version", "tasks", "created")
+    table = make_table("name", "status", "policy version", "tasks", "created")
     for j in jobs:
         table.add_row(
             j.name,

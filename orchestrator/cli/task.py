@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from orchestrator.cli.common import actor, console, open_db, print_json
+from orchestrator.cli.common import table as make_table
 from orchestrator.defaults import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_STALENESS, DEFAULT_WEIGHT
 
 if TYPE_CHECKING:
@@ -100,9 +101,7 @@ def plugins(json_out: JsonOpt = False) -> None:
     if json_out:
         print_json(rows)
         return
-    from rich.table import Table
-
-    table = Table("plugin", "source", "description")
+    table = make_table("plugin", "source", "description")
     for r in rows:
         table.add_row(r["name"], r["source"], r["description"])
     console().print(table)
@@ -122,9 +121,7 @@ def list_(ctx: typer.Context, job: JobOpt = "default", json_out: JsonOpt = False
     if json_out:
         print_json([t.to_json() for t in tasks])
         return
-    from rich.table import Table
-
-    table = Table(
+    table = make_table(
         "name", "plugin", "status", "weight", "max inflight", "max staleness", "partition"
     )
     for t in tasks:

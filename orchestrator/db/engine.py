@@ -71,6 +71,8 @@ class Database:
 
     def describe(self) -> str:
         """Where the database is, with any password masked."""
+        if self.target.embedded:
+            return self.target.describe()
         return self.url.render_as_string(hide_password=True)
 
     @contextlib.contextmanager
