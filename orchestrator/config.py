@@ -56,11 +56,25 @@ class TaskConfig(StrictModel):
         return check_name(v, "tasks[].name")
 
 
+class BufferConfig(StrictModel):
+    """The replay buffer's policy (see README, "Quotas and the buffer")."""
+
+    batch_groups: int = Field(
+        default=8, ge=1, description="groups (prompts x group) per train step"
+    )
+    lease_s: float = Field(default=60.0, gt=0, description="episode lease, renewed by heartbeats")
+    max_attempts: int = Field(default=3, ge=1, description="claims of an episode before quarantine")
+    claim_window_s: float = Field(
+        default=120.0, gt=0, description="time constant of the recent-claims score (fair share)"
+    )
+
+
 class RollcallConfig(StrictModel):
     """The root of a job config file (``configs/*.yaml``)."""
 
     job: JobSection = Field(default_factory=JobSection)
     database: DatabaseConfig = Field(default_factory=DatabaseConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
     tasks: list[TaskConfig] = Field(default_factory=list)
 
     @field_validator("tasks")

@@ -32,6 +32,17 @@ class SchemaError(UserError):
     exit_code = 5
 
 
+class StaleLeaseError(Exception):
+    """A write by a worker whose lease on the episode has moved on (fencing). Nothing of the
+    write was applied; the rejection is counted on the task (``fenced_rejections``)."""
+
+    def __init__(self, episode_id: int, epoch: int, reason: str) -> None:
+        self.episode_id = episode_id
+        self.epoch = epoch
+        self.reason = reason
+        super().__init__(f"episode {episode_id}: write with lease epoch {epoch} rejected: {reason}")
+
+
 class DatabaseUnavailableError(UserError):
     """The database could not be reached or started."""
 

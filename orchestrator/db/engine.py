@@ -18,9 +18,13 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from orchestrator.db.repos.batches import BatchRepository
+from orchestrator.db.repos.episodes import EpisodeRepository
 from orchestrator.db.repos.events import EventRepository
 from orchestrator.db.repos.jobs import JobRepository
 from orchestrator.db.repos.tasks import TaskRepository
+from orchestrator.db.repos.trajectories import TrajectoryRepository
+from orchestrator.db.repos.workers import WorkerRepository
 from orchestrator.errors import DatabaseUnavailableError, UserError
 from orchestrator.settings import DatabaseTarget, mask_url, resolve_database
 
@@ -53,6 +57,10 @@ class Tx:
     jobs: JobRepository
     tasks: TaskRepository
     events: EventRepository
+    episodes: EpisodeRepository
+    trajectories: TrajectoryRepository
+    batches: BatchRepository
+    workers: WorkerRepository
 
 
 class Database:
@@ -84,6 +92,10 @@ class Database:
                 jobs=JobRepository(session),
                 tasks=TaskRepository(session),
                 events=EventRepository(session),
+                episodes=EpisodeRepository(session),
+                trajectories=TrajectoryRepository(session),
+                batches=BatchRepository(session),
+                workers=WorkerRepository(session),
             )
 
     def check_connection(self) -> None:

@@ -87,6 +87,10 @@ def _updated() -> Mapped[datetime]:
     )
 
 
+def _counter() -> Mapped[int]:
+    return mapped_column(BigInteger, nullable=False, server_default="0")
+
+
 class Job(Base):
     __tablename__ = "jobs"
 
@@ -99,6 +103,10 @@ class Job(Base):
         JSONB, nullable=False, server_default=text("'{}'::jsonb")
     )
     policy_version: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    # The train step whose batch is claimed but not committed, and its planned task mix (so a
+    # restarted trainer replays exactly the same batch).
+    pending_step: Mapped[int | None] = mapped_column(Integer)
+    pending_mix: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     created_at: Mapped[datetime] = _created()
     updated_at: Mapped[datetime] = _updated()
 
@@ -124,6 +132,16 @@ class Task(Base):
     # Position in the plugin's prompt stream: the next prompt index to seed (persisted so a
     # restart neither repeats nor skips prompts).
     prompt_cursor: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    # Counters of the buffer's exceptional paths (monotonic).
+    fenced_rejections: Mapped[int] = _counter()
+    expired_groups: Mapped[int] = _counter()
+    quarantined_episodes: Mapped[int] = _counter()
+    requeued_leases: Mapped[int] = _counter()
+    # Exponentially decayed count of recent claims (weighted fair share of rollout claims).
+    claim_score: Mapped[float] = mapped_column(Double, nullable=False, server_default="0")
+    claim_score_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), nullable=False
+    )
     created_at: Mapped[datetime] = _created()
     updated_at: Mapped[datetime] = _updated()
     retired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -208,6 +226,11 @@ class Episode(Base):
         ForeignKey("episodes.id", ondelete="SET NULL")
     )
     last_error: Mapped[str | None] = mapped_column(Text)
+    # Oldest policy version among the group's samples, set when the group completes.
+    min_policy_version: Mapped[int | None] = mapped_column(Integer)
+    # The train step that reserved this group, and the step that consumed it.
+    claimed_step: Mapped[int | None] = mapped_column(Integer)
+    consumed_step: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = _created()
     updated_at: Mapped[datetime] = _updated()
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -225,6 +248,21 @@ class Episode(Base):
             "ix_episodes_lease_expires_at",
             "lease_expires_at",
             postgresql_where=text("status = 'leased'"),
+        ),
+        Index("ix_episodes_queued", "task_id", "id", postgresql_where=text("status = 'queued'")),
+        Index("ix_episodes_lease_owner", "lease_owner", postgresql_where=text("status = 'leased'")),
+        Index("ix_episodes_task_id_leased_at", "task_id", "leased_at"),
+        Index(
+            "ix_episodes_ready",
+            "task_id",
+            "finished_at",
+            postgresql_where=text("status = 'done' AND consumed_step IS NULL"),
+        ),
+        Index(
+            "ix_episodes_claimed_step",
+            "job_id",
+            "claimed_step",
+            postgresql_where=text("claimed_step IS NOT NULL AND consumed_step IS NULL"),
         ),
     )
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import sqlalchemy as sa
 
@@ -93,12 +91,17 @@ def test_open_database_refuses_unknown_revision(db_url: str) -> None:
         open_database(db_url)
 
 
-def test_open_database_refuses_older_revision(db_url: str, monkeypatch: Any) -> None:
-    # Pretend this build's head is a newer revision than the database's.
-    monkeypatch.setattr(migrate, "head_revision", lambda: "0002")
+def test_open_database_refuses_older_revision(db_url: str) -> None:
+    engine = sa.create_engine(db_url, poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        migrate.downgrade(conn, "0001")
+        conn.commit()
+    engine.dispose()
+    head = migrate.head_revision()
+    assert head != "0001"
     with pytest.raises(
         SchemaError,
-        match=r"at revision 0001 but this rollcall needs 0002; run `rollcall db upgrade`",
+        match=rf"at revision 0001 but this rollcall needs {head}; run `rollcall db upgrade`",
     ):
         open_database(db_url)
 

@@ -91,7 +91,7 @@ class TaskRepository:
             .limit(1)
         )
         if for_update:
-            q = q.with_for_update(of=Task)
+            q = q.with_for_update(of=Task, key_share=True)
         rows = self._views(self.session.execute(q))
         return rows[0] if rows else None
 

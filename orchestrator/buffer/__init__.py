@@ -1,0 +1,1 @@
+"""The durable replay buffer (``Buffer``) and the values that cross its boundary."""

@@ -1,0 +1,380 @@
+"""The durable replay buffer: the state machine every piece of work flows through.
+
+``Buffer`` owns the transactions; the SQL lives in ``orchestrator.db`` repositories and the
+arithmetic in ``orchestrator.quotas``. What it guarantees, for one job:
+
+- **Seeding** keeps each active task supplied with queued episodes from its plugin's prompt
+  stream, up to its admission cap and never beyond; the prompt cursor advances in the same
+  transaction as the inserts, so a restart neither repeats nor skips prompts.
+- **Claims** go to the task with the largest deficit against its weight, under its in-flight
+  cap; each claim bumps the lease epoch.
+- **Checkpoints and commits** are fenced by the lease epoch: a write by a holder whose lease
+  moved on raises ``StaleLeaseError``, changes nothing, and is counted on the task. A commit is
+  idempotent on (episode, sample); the last sample of a group completes its episode.
+- **Requeue** (lease expired, worker dead, worker gave up) returns an episode to the queue with
+  its checkpoints; the next claimer receives them and continues. After ``max_attempts`` claims
+  the episode is quarantined instead, with an event.
+- **Batch claims** take whole groups per task by weight, within each task's staleness bound,
+  oldest first; stale groups are expired and their prompts queued again. A batch is reserved
+  for its step until ``commit_step`` consumes it, so a restarted trainer replays the same batch.
+- **Step commits** consume the batch, record the step and bump the policy version atomically.
+
+Every episode ends in exactly one of: consumed by a step (``done`` + ``consumed_step``),
+``expired`` (its prompt requeued as a new episode), or ``quarantined``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.buffer.types import (
+    Batch,
+    ClaimedEpisode,
+    CommitResult,
+    Lease,
+    SampleState,
+    SweepResult,
+    TrajectoryPayload,
+)
+from orchestrator.config import BufferConfig
+from orchestrator.db.engine import Database, Tx
+from orchestrator.db.repos.workers import WorkerView
+from orchestrator.domain import WorkerRole, WorkerStatus
+from orchestrator.errors import ConflictError, StaleLeaseError
+from orchestrator.quotas import SeedInput, allocate_batch, claim_order, seed_counts
+from tasks import registry
+from tasks.base import TaskPlugin
+
+ACTOR = "control-plane"
+
+
+@dataclass(frozen=True)
+class StepCommit:
+    step: int
+    policy_version: int  # the version this step produced
+    groups: int
+    trajectories: int
+    already_committed: bool
+
+
+class Buffer:
+    def __init__(
+        self,
+        db: Database,
+        job_id: int,
+        config: BufferConfig | None = None,
+        plugins: Callable[[str], TaskPlugin] = registry.get,
+    ) -> None:
+        self.db = db
+        self.job_id = job_id
+        self.config = config or BufferConfig()
+        self._plugins = plugins
+
+    # -- control plane ------------------------------------------------------------------------
+
+    def seed(self) -> dict[str, int]:
+        """Queue episodes for every active task up to its admission cap. Returns per task
+        name the number of episodes added."""
+        added: dict[str, int] = {}
+        with self.db.transaction() as tx:
+            rows = tx.episodes.lock_seedable_tasks(self.job_id)
+            counts = seed_counts(
+                [SeedInput(r.task_id, r.weight, r.max_staleness, r.outstanding) for r in rows],
+                self.config.batch_groups,
+            )
+            for r in rows:
+                n = counts[r.task_id]
+                if n <= 0:
+                    continue
+                plugin = self._plugins(r.plugin)
+                spec = plugin.Spec.model_validate(r.spec)
+                prompts = [plugin.prompt(spec, r.prompt_cursor + i) for i in range(n)]
+                tx.episodes.add_episodes(
+                    job_id=self.job_id,
+                    task_id=r.task_id,
+                    first_index=r.prompt_cursor,
+                    prompts=prompts,
+                    group_size=spec.group_size,
+                )
+                added[r.name] = n
+        return added
+
+    def sweep_expired_leases(self) -> SweepResult:
+        """Requeue (or quarantine) every episode whose lease expired on the database clock."""
+        with self.db.transaction() as tx:
+            rows = tx.episodes.lock_expired_leases(self.job_id)
+            return self._requeue(tx, rows, "lease expired")
+
+    def requeue_worker(
+        self, worker_id: int, status: WorkerStatus = WorkerStatus.DEAD
+    ) -> SweepResult:
+        """Declare a worker dead (or stopped) and requeue every lease it held."""
+        with self.db.transaction() as tx:
+            tx.workers.set_status(worker_id, status)
+            rows = tx.episodes.lock_worker_leases(worker_id)
+            return self._requeue(tx, rows, f"worker {worker_id} {status.value}")
+
+    def release_trainer_claims(self) -> int:
+        """Claimed trajectories of an uncommitted step back to ``ready`` (trainer died); the
+        step's reservation stays, so the restarted trainer replays the same batch."""
+        with self.db.transaction() as tx:
+            return tx.batches.release_claims(self.job_id)
+
+    def _requeue(self, tx: Tx, rows: Sequence[Any], reason: str) -> SweepResult:
+        done = tx.episodes.requeue_or_quarantine(rows, self.config.max_attempts, reason)
+        for r in done:
+            if r.quarantined:
+                tx.episodes.bump_task_counter(r.task_id, "quarantined_episodes")
+                tx.events.add(
+                    "episode.quarantined",
+                    ACTOR,
+                    f"episode {r.episode_id} quarantined after {self.config.max_attempts} "
+                    f"attempts ({reason})",
+                    job_id=self.job_id,
+                    task_id=r.task_id,
+                    payload={"episode_id": r.episode_id, "reason": reason},
+                )
+            else:
+                tx.episodes.bump_task_counter(r.task_id, "requeued_leases")
+        return SweepResult(
+            requeued=sum(not r.quarantined for r in done),
+            quarantined=sum(r.quarantined for r in done),
+            episode_ids=tuple(r.episode_id for r in done),
+        )
+
+    # -- rollout side --------------------------------------------------------------------------
+
+    def register_worker(
+        self, name: str, role: WorkerRole = WorkerRole.ROLLOUT, **info: Any
+    ) -> WorkerView:
+        with self.db.transaction() as tx:
+            return tx.workers.register(job_id=self.job_id, role=role, name=name, **info)
+
+    def heartbeat(self, worker_id: int, tokens_generated: int = 0) -> list[tuple[int, int]]:
+        """Liveness plus lease renewal. Returns the (episode, epoch) leases still held; a
+        lease missing from the list has moved on and its work must be abandoned."""
+        with self.db.transaction() as tx:
+            if not tx.workers.heartbeat(worker_id, tokens_generated):
+                return []
+            return tx.episodes.renew(worker_id, self.config.lease_s)
+
+    def claim(self, worker_id: int) -> ClaimedEpisode | None:
+        """Lease one episode for the worker, or None when no task has claimable work."""
+        with self.db.transaction() as tx:
+            loads = tx.episodes.task_loads(self.job_id, self.config.claim_window_s)
+            for task_id in claim_order(loads):
+                row = tx.episodes.claim_from_task(
+                    task_id, worker_id, self.config.lease_s, self.config.claim_window_s
+                )
+                if row is None:
+                    continue
+                if row.attempts > 1:
+                    samples = tx.trajectories.samples_for_resume(
+                        row.task_id, row.id, row.group_size
+                    )
+                else:
+                    samples = tuple(SampleState(i, "new") for i in range(row.group_size))
+                return ClaimedEpisode(
+                    lease=Lease(row.id, row.task_id, row.lease_epoch, worker_id),
+                    task_name=row.task_name,
+                    plugin=row.plugin,
+                    spec=row.spec,
+                    prompt_index=row.prompt_index,
+                    prompt=row.prompt,
+                    group_size=row.group_size,
+                    attempts=row.attempts,
+                    samples=samples,
+                )
+        return None
+
+    def checkpoint(self, lease: Lease, sample_index: int, payload: TrajectoryPayload) -> None:
+        """Record a trajectory's progress after a turn. Fenced by the lease epoch."""
+        self._fenced(lease, [(sample_index, payload, None, None)], exclusive=False)
+
+    def commit(
+        self,
+        lease: Lease,
+        sample_index: int,
+        payload: TrajectoryPayload,
+        reward: float,
+        reward_info: dict[str, Any] | None = None,
+    ) -> CommitResult:
+        """Commit a finished trajectory as ``ready`` with its reward (idempotent, fenced)."""
+        return self.commit_many(lease, [(sample_index, payload, reward, reward_info)])
+
+    def commit_many(
+        self,
+        lease: Lease,
+        samples: Sequence[tuple[int, TrajectoryPayload, float, dict[str, Any] | None]],
+    ) -> CommitResult:
+        """Commit several finished samples of one group in one transaction."""
+        return self._fenced(lease, list(samples), exclusive=True)
+
+    def release(self, lease: Lease, error: str) -> SweepResult:
+        """The worker gives the episode up (e.g. its engine failed): requeue or quarantine."""
+        with self.db.transaction() as tx:
+            row = tx.episodes.lock_lease(lease.episode_id, lease.epoch, exclusive=True)
+            if row is None:
+                raise StaleLeaseError(lease.episode_id, lease.epoch, "lease is no longer held")
+            return self._requeue(tx, [row], f"released by worker: {error}")
+
+    def _fenced(
+        self,
+        lease: Lease,
+        samples: list[tuple[int, TrajectoryPayload, float | None, dict[str, Any] | None]],
+        *,
+        exclusive: bool,
+    ) -> CommitResult:
+        rejected: StaleLeaseError | None = None
+        with self.db.transaction() as tx:
+            row = tx.episodes.lock_lease(lease.episode_id, lease.epoch, exclusive=exclusive)
+            if row is None:
+                result = self._idempotent_commit(tx, lease, samples) if exclusive else None
+                if result is not None:
+                    return result
+                rejected = StaleLeaseError(
+                    lease.episode_id, lease.epoch, "the lease has moved on (requeued or expired)"
+                )
+            else:
+                written = tx.trajectories.upsert(
+                    task_id=row.task_id,
+                    episode_id=lease.episode_id,
+                    epoch=lease.epoch,
+                    samples=samples,
+                )
+                if not exclusive:
+                    return CommitResult((), (), False)
+                ready, min_version = tx.trajectories.group_progress(row.task_id, lease.episode_id)
+                done = ready >= row.group_size
+                if done:
+                    tx.episodes.complete(lease.episode_id, min_version)
+                indexes = [s[0] for s in samples]
+                return CommitResult(
+                    committed=tuple(i for i in indexes if i in written),
+                    already=tuple(i for i in indexes if i not in written),
+                    group_done=done,
+                )
+        # Count the rejection in a transaction of its own (the rejected one wrote nothing).
+        with self.db.transaction() as tx:
+            tx.episodes.bump_task_counter(lease.task_id, "fenced_rejections")
+        raise rejected
+
+    def _idempotent_commit(
+        self,
+        tx: Tx,
+        lease: Lease,
+        samples: list[tuple[int, TrajectoryPayload, float | None, dict[str, Any] | None]],
+    ) -> CommitResult | None:
+        """A repeated commit after the group completed under the same lease: report success
+        without writing. Any other case is a stale write (None)."""
+        ep = tx.episodes.get_status(lease.episode_id)
+        if ep is None or ep.lease_epoch != lease.epoch or ep.status != "done":
+            return None
+        statuses = tx.trajectories.statuses(ep.task_id, lease.episode_id)
+        indexes = [s[0] for s in samples]
+        if all(statuses.get(i) in {"ready", "claimed", "consumed"} for i in indexes):
+            return CommitResult(committed=(), already=tuple(indexes), group_done=True)
+        return None
+
+    # -- trainer side ---------------------------------------------------------------------------
+
+    def claim_batch(self, step: int) -> Batch:
+        """Claim the batch for ``step`` (or replay the one already reserved for it)."""
+        with self.db.transaction() as tx:
+            tx.batches.lock_job_batches(self.job_id)
+            job = tx.batches.job_state(self.job_id)
+            if step != job.policy_version:
+                raise ConflictError(
+                    f"step {step} cannot be claimed: the job's policy version is "
+                    f"{job.policy_version}, so the next step is {job.policy_version}"
+                )
+            reserved = tx.batches.reserved_groups(self.job_id, step)
+            if reserved:
+                tx.batches.mark_claimed(self.job_id, step)
+                groups = tx.batches.load_groups(reserved)
+                mix = job.pending_mix if job.pending_step == step and job.pending_mix else {}
+                return Batch(step, job.policy_version, tuple(groups), mix, True, {})
+
+            tasks = tx.batches.trainable_tasks(self.job_id)
+            names = {t.id: t.name for t in tasks}
+            expired = Counter(
+                e.task_id for e in tx.batches.expire_stale_groups(self.job_id, job.policy_version)
+            )
+            for task_id, n in sorted(expired.items()):
+                tx.episodes.bump_task_counter(task_id, "expired_groups", n)
+            expired_by_task = {names.get(t, str(t)): n for t, n in expired.items()}
+
+            available = tx.batches.available_groups(self.job_id, job.policy_version)
+            last = tx.batches.last_step(self.job_id)
+            carry = {
+                int(k): float(v.get("carry", 0.0))
+                for k, v in (last.task_mix if last else {}).items()
+                if isinstance(v, dict)
+            }
+            alloc = allocate_batch(
+                {t.id: t.weight for t in tasks}, available, carry, self.config.batch_groups
+            )
+            ids: list[int] = []
+            by_id = {t.id: t for t in tasks}
+            for task_id, n in sorted(alloc.groups.items()):
+                t = by_id[task_id]
+                ids += tx.batches.reserve_groups(
+                    task_id, n, step, job.policy_version, t.max_staleness
+                )
+            mix = {
+                str(t.id): {
+                    "name": t.name,
+                    "groups": alloc.groups.get(t.id, 0),
+                    "target": round(alloc.targets.get(t.id, 0.0), 6),
+                    "carry": round(alloc.carry.get(t.id, 0.0), 6),
+                    "shortfall": round(alloc.shortfall.get(t.id, 0.0), 6),
+                    "available": available.get(t.id, 0),
+                    "expired": expired.get(t.id, 0),
+                }
+                for t in tasks
+            }
+            if ids:
+                tx.batches.mark_claimed(self.job_id, step)
+                tx.batches.set_pending(self.job_id, step, mix)
+            groups = tx.batches.load_groups(ids)
+            return Batch(step, job.policy_version, tuple(groups), mix, False, expired_by_task)
+
+    def commit_step(
+        self,
+        step: int,
+        *,
+        checkpoint_uri: str | None = None,
+        metrics: dict[str, Any] | None = None,
+    ) -> StepCommit:
+        """Atomically consume the step's batch, record the step, bump the policy version."""
+        with self.db.transaction() as tx:
+            job = tx.batches.job_state(self.job_id, for_update=True)
+            existing = tx.batches.get_step(self.job_id, step)
+            if existing is not None:
+                return StepCommit(step, existing.policy_version, 0, 0, already_committed=True)
+            if step != job.policy_version:
+                raise ConflictError(
+                    f"step {step} cannot be committed: the job's policy version is "
+                    f"{job.policy_version}"
+                )
+            groups, trajectories = tx.batches.consume_step(self.job_id, step)
+            if groups == 0:
+                raise ConflictError(
+                    f"step {step} has no claimed batch to commit; claim one with claim_batch"
+                )
+            mix = job.pending_mix if job.pending_step == step and job.pending_mix else {}
+            version = job.policy_version + 1
+            tx.batches.insert_step(
+                job_id=self.job_id,
+                step=step,
+                policy_version=version,
+                task_mix=mix,
+                num_trajectories=trajectories,
+                checkpoint_uri=checkpoint_uri,
+                metrics=metrics or {},
+            )
+            tx.batches.advance_version(self.job_id, version)
+            return StepCommit(step, version, groups, trajectories, already_committed=False)

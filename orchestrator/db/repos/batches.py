@@ -1,0 +1,354 @@
+"""The trainer's side of the buffer: batch claims, staleness expiry, atomic step commits.
+
+Guarantees (with ``orchestrator.buffer``):
+
+- Batch claims of one job are serialised by a transaction-scoped advisory lock.
+- A group is claimed whole, only if its oldest sample's policy version is within its task's
+  bound (``min_policy_version >= policy_version - max_staleness``); claimed groups are reserved
+  for the step (``episodes.claimed_step``), so a trainer that died before committing gets the
+  very same batch again for the same step.
+- Groups that fell out of the bound are ``expired`` (an end state, counted per task) and their
+  prompts are queued again as fresh episodes (``requeued_from``).
+- A step commit consumes the step's reserved groups, writes the ``train_steps`` row and bumps
+  the job's ``policy_version`` in one transaction; committing a step twice changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select, text
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Session
+from sqlalchemy.sql.expression import bindparam
+
+from orchestrator.buffer.types import BatchGroup, BatchTrajectory, TrajectoryPayload
+from orchestrator.db.models import Trajectory
+
+_BATCH_LOCK_NS = 0x524F4C4C  # "ROLL": namespace of the advisory lock per job
+
+
+@dataclass(frozen=True)
+class JobState:
+    id: int
+    policy_version: int
+    pending_step: int | None
+    pending_mix: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class TaskQuotaRow:
+    id: int
+    name: str
+    weight: float
+    max_staleness: int
+    status: str
+
+
+@dataclass(frozen=True)
+class StepRow:
+    step: int
+    policy_version: int
+    num_trajectories: int
+    task_mix: dict[str, Any]
+    checkpoint_uri: str | None
+    metrics: dict[str, Any]
+
+
+class BatchRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def lock_job_batches(self, job_id: int) -> None:
+        self.session.execute(
+            text("SELECT pg_advisory_xact_lock(:ns, :job)"), {"ns": _BATCH_LOCK_NS, "job": job_id}
+        )
+
+    def job_state(self, job_id: int, *, for_update: bool = False) -> JobState:
+        row = self.session.execute(
+            text(
+                "SELECT id, policy_version, pending_step, pending_mix FROM jobs WHERE id = :j"
+                + (" FOR UPDATE" if for_update else "")
+            ),
+            {"j": job_id},
+        ).one()
+        return JobState(row.id, row.policy_version, row.pending_step, row.pending_mix)
+
+    def trainable_tasks(self, job_id: int) -> list[TaskQuotaRow]:
+        rows = self.session.execute(
+            text(
+                "SELECT id, name, weight, max_staleness, status::text AS status FROM tasks "
+                "WHERE job_id = :j AND status <> 'retired' ORDER BY id"
+            ),
+            {"j": job_id},
+        ).all()
+        return [TaskQuotaRow(r.id, r.name, r.weight, r.max_staleness, r.status) for r in rows]
+
+    def last_step(self, job_id: int) -> StepRow | None:
+        row = self.session.execute(
+            text(
+                "SELECT step, policy_version, num_trajectories, task_mix, checkpoint_uri, metrics "
+                "FROM train_steps WHERE job_id = :j ORDER BY step DESC LIMIT 1"
+            ),
+            {"j": job_id},
+        ).one_or_none()
+        return _step(row) if row else None
+
+    def get_step(self, job_id: int, step: int) -> StepRow | None:
+        row = self.session.execute(
+            text(
+                "SELECT step, policy_version, num_trajectories, task_mix, checkpoint_uri, metrics "
+                "FROM train_steps WHERE job_id = :j AND step = :s"
+            ),
+            {"j": job_id, "s": step},
+        ).one_or_none()
+        return _step(row) if row else None
+
+    # -- expiry ------------------------------------------------------------------------------
+
+    def expire_stale_groups(self, job_id: int, policy_version: int) -> list[Any]:
+        """Expire finished, unreserved groups older than their task's bound; queue their
+        prompts again. Returns the expired episodes (id, task_id)."""
+        stale = self.session.execute(
+            text(
+                """
+                SELECT e.id, e.task_id, e.prompt_index, e.prompt, e.group_size FROM episodes e
+                JOIN tasks t ON t.id = e.task_id
+                WHERE e.job_id = :j AND e.status = 'done' AND e.consumed_step IS NULL
+                  AND e.claimed_step IS NULL
+                  AND e.min_policy_version < :v - t.max_staleness
+                ORDER BY e.id
+                FOR UPDATE OF e SKIP LOCKED
+                """
+            ),
+            {"j": job_id, "v": policy_version},
+        ).all()
+        if not stale:
+            return []
+        ids = [r.id for r in stale]
+        self.session.execute(
+            text("UPDATE episodes SET status = 'expired', updated_at = now() WHERE id = ANY(:ids)"),
+            {"ids": ids},
+        )
+        self.session.execute(
+            text(
+                "UPDATE trajectories SET status = 'expired', updated_at = now() "
+                "WHERE task_id = ANY(:tids) AND episode_id = ANY(:ids) AND status = 'ready'"
+            ),
+            {"tids": sorted({r.task_id for r in stale}), "ids": ids},
+        )
+        self.session.execute(
+            text(
+                "INSERT INTO episodes (job_id, task_id, prompt_index, prompt, group_size, "
+                "requeued_from) SELECT job_id, task_id, prompt_index, prompt, group_size, id "
+                "FROM episodes WHERE id = ANY(:ids)"
+            ),
+            {"ids": ids},
+        )
+        return list(stale)
+
+    # -- claim ---------------------------------------------------------------------------------
+
+    def reserved_groups(self, job_id: int, step: int) -> list[int]:
+        return list(
+            self.session.scalars(
+                text(
+                    "SELECT id FROM episodes WHERE job_id = :j AND claimed_step = :s "
+                    "AND consumed_step IS NULL ORDER BY id"
+                ),
+                {"j": job_id, "s": step},
+            )
+        )
+
+    def available_groups(self, job_id: int, policy_version: int) -> dict[int, int]:
+        """Finished, unreserved groups within their task's staleness bound, per task."""
+        rows = self.session.execute(
+            text(
+                """
+                SELECT e.task_id, count(*) FROM episodes e JOIN tasks t ON t.id = e.task_id
+                WHERE e.job_id = :j AND e.status = 'done' AND e.consumed_step IS NULL
+                  AND e.claimed_step IS NULL AND t.status <> 'retired'
+                  AND e.min_policy_version >= :v - t.max_staleness
+                GROUP BY e.task_id
+                """
+            ),
+            {"j": job_id, "v": policy_version},
+        ).all()
+        return {r[0]: int(r[1]) for r in rows}
+
+    def reserve_groups(
+        self, task_id: int, count: int, step: int, policy_version: int, max_staleness: int
+    ) -> list[int]:
+        """Reserve the task's ``count`` oldest eligible groups for ``step``."""
+        ids = list(
+            self.session.scalars(
+                text(
+                    """
+                    SELECT id FROM episodes
+                    WHERE task_id = :t AND status = 'done' AND consumed_step IS NULL
+                      AND claimed_step IS NULL AND min_policy_version >= :v - :k
+                    ORDER BY min_policy_version, finished_at, id
+                    LIMIT :n FOR UPDATE SKIP LOCKED
+                    """
+                ),
+                {"t": task_id, "v": policy_version, "k": max_staleness, "n": count},
+            )
+        )
+        if ids:
+            self.session.execute(
+                text("UPDATE episodes SET claimed_step = :s WHERE id = ANY(:ids)"),
+                {"s": step, "ids": ids},
+            )
+        return ids
+
+    def mark_claimed(self, job_id: int, step: int) -> int:
+        """Trajectories of the step's reserved groups become ``claimed``."""
+        result = self.session.execute(
+            text(
+                """
+                UPDATE trajectories tr SET status = 'claimed', claimed_step = :s,
+                       updated_at = now()
+                FROM episodes e
+                WHERE e.job_id = :j AND e.claimed_step = :s AND e.consumed_step IS NULL
+                  AND tr.task_id = e.task_id AND tr.episode_id = e.id AND tr.status = 'ready'
+                """
+            ),
+            {"j": job_id, "s": step},
+        )
+        return int(result.rowcount)  # type: ignore[attr-defined]
+
+    def set_pending(self, job_id: int, step: int | None, mix: dict[str, Any] | None) -> None:
+        self.session.execute(
+            text("UPDATE jobs SET pending_step = :s, pending_mix = :m WHERE id = :j").bindparams(
+                bindparam("m", type_=JSONB)
+            ),
+            {"j": job_id, "s": step, "m": mix},
+        )
+
+    def load_groups(self, episode_ids: Sequence[int]) -> list[BatchGroup]:
+        if not episode_ids:
+            return []
+        eps = self.session.execute(
+            text(
+                "SELECT e.id, e.task_id, t.name, e.prompt, e.min_policy_version FROM episodes e "
+                "JOIN tasks t ON t.id = e.task_id WHERE e.id = ANY(:ids) ORDER BY e.id"
+            ),
+            {"ids": list(episode_ids)},
+        ).all()
+        trajs = self.session.scalars(
+            select(Trajectory)
+            .where(
+                Trajectory.task_id.in_(sorted({e.task_id for e in eps})),
+                Trajectory.episode_id.in_([e.id for e in eps]),
+                Trajectory.status.in_(["claimed", "ready"]),
+            )
+            .order_by(Trajectory.episode_id, Trajectory.sample_index)
+        ).all()
+        by_episode: dict[int, list[BatchTrajectory]] = {}
+        for t in trajs:
+            assert t.reward is not None
+            by_episode.setdefault(t.episode_id, []).append(
+                BatchTrajectory(t.sample_index, TrajectoryPayload.from_columns(t), t.reward)
+            )
+        return [
+            BatchGroup(
+                episode_id=e.id,
+                task_id=e.task_id,
+                task_name=e.name,
+                prompt=dict(e.prompt),
+                min_policy_version=e.min_policy_version,
+                trajectories=tuple(by_episode.get(e.id, [])),
+            )
+            for e in eps
+        ]
+
+    # -- commit and release ------------------------------------------------------------------
+
+    def consume_step(self, job_id: int, step: int) -> tuple[int, int]:
+        """Reserved groups of the step -> consumed. Returns (groups, trajectories)."""
+        trajs = self.session.execute(
+            text(
+                """
+                UPDATE trajectories tr SET status = 'consumed', consumed_at = now(),
+                       claimed_step = :s, updated_at = now()
+                FROM episodes e
+                WHERE e.job_id = :j AND e.claimed_step = :s AND e.consumed_step IS NULL
+                  AND tr.task_id = e.task_id AND tr.episode_id = e.id
+                  AND tr.status IN ('claimed', 'ready')
+                """
+            ),
+            {"j": job_id, "s": step},
+        )
+        groups = self.session.execute(
+            text(
+                "UPDATE episodes SET consumed_step = :s, updated_at = now() "
+                "WHERE job_id = :j AND claimed_step = :s AND consumed_step IS NULL"
+            ),
+            {"j": job_id, "s": step},
+        )
+        return int(groups.rowcount), int(trajs.rowcount)  # type: ignore[attr-defined]
+
+    def insert_step(
+        self,
+        *,
+        job_id: int,
+        step: int,
+        policy_version: int,
+        task_mix: dict[str, Any],
+        num_trajectories: int,
+        checkpoint_uri: str | None,
+        metrics: dict[str, Any],
+    ) -> None:
+        self.session.execute(
+            text(
+                "INSERT INTO train_steps (job_id, step, policy_version, task_mix, "
+                "num_trajectories, checkpoint_uri, metrics) VALUES (:j, :s, :v, :mix, :n, :c, :m)"
+            ).bindparams(bindparam("mix", type_=JSONB), bindparam("m", type_=JSONB)),
+            {
+                "j": job_id,
+                "s": step,
+                "v": policy_version,
+                "mix": task_mix,
+                "n": num_trajectories,
+                "c": checkpoint_uri,
+                "m": metrics,
+            },
+        )
+
+    def advance_version(self, job_id: int, version: int) -> None:
+        self.session.execute(
+            text(
+                "UPDATE jobs SET policy_version = :v, pending_step = NULL, pending_mix = NULL, "
+                "updated_at = now() WHERE id = :j"
+            ),
+            {"j": job_id, "v": version},
+        )
+
+    def release_claims(self, job_id: int) -> int:
+        """Claimed trajectories of uncommitted steps back to ``ready``; their groups stay
+        reserved for the same step, which replays them."""
+        result = self.session.execute(
+            text(
+                """
+                UPDATE trajectories tr SET status = 'ready', updated_at = now()
+                FROM episodes e
+                WHERE e.job_id = :j AND e.claimed_step IS NOT NULL AND e.consumed_step IS NULL
+                  AND tr.task_id = e.task_id AND tr.episode_id = e.id AND tr.status = 'claimed'
+                """
+            ),
+            {"j": job_id},
+        )
+        return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def _step(row: Any) -> StepRow:
+    return StepRow(
+        step=row.step,
+        policy_version=row.policy_version,
+        num_trajectories=row.num_trajectories,
+        task_mix=dict(row.task_mix or {}),
+        checkpoint_uri=row.checkpoint_uri,
+        metrics=dict(row.metrics or {}),
+    )

@@ -1,0 +1,391 @@
+"""Episodes: seeding, claims, leases, requeue and quarantine.
+
+Guarantees (with the callers in ``orchestrator.buffer``):
+
+- A claim locks the task row, recounts the task's leased episodes under that lock and takes one
+  queued episode with ``FOR UPDATE SKIP LOCKED``: no episode is leased twice at once, and a
+  task never has more than ``max_inflight`` episodes leased.
+- Every claim bumps ``lease_epoch``; every requeue bumps it again, so a write by the previous
+  holder is rejected (fencing).
+- Lease expiry is judged on the database clock (``now()``), never a worker's.
+- An episode claimed ``max_attempts`` times that fails again is ``quarantined`` (an end state),
+  never requeued forever.
+
+Deadlock freedom: task rows are locked ``FOR NO KEY UPDATE`` (so foreign-key checks, which
+take ``KEY SHARE``, never wait on them); a claimer holds at most one task lock at a time and
+never waits on an episode lock (SKIP LOCKED); seeding locks task rows in id order and waits on
+no episode. Paths that lock episodes and then bump a task counter (sweep, expiry) can wait for
+a claimer, but no claimer waits for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from orchestrator.db.models import Episode
+from orchestrator.quotas import TaskLoad
+
+
+@dataclass(frozen=True)
+class SeedRow:
+    task_id: int
+    name: str
+    plugin: str
+    spec: dict[str, Any]
+    weight: float
+    max_staleness: int
+    prompt_cursor: int
+    outstanding: int
+
+
+@dataclass(frozen=True)
+class LeasedRow:
+    id: int
+    task_id: int
+    task_name: str
+    plugin: str
+    spec: dict[str, Any]
+    prompt_index: int
+    prompt: dict[str, Any]
+    group_size: int
+    lease_epoch: int
+    attempts: int
+
+
+@dataclass(frozen=True)
+class Requeued:
+    episode_id: int
+    task_id: int
+    quarantined: bool
+
+
+_OUTSTANDING = "status IN ('queued', 'leased') OR (status = 'done' AND consumed_step IS NULL)"
+
+
+class EpisodeRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    # -- seeding ---------------------------------------------------------------------------
+
+    def lock_seedable_tasks(self, job_id: int) -> list[SeedRow]:
+        """Active tasks of the job, locked (in id order), with their outstanding groups."""
+        rows = self.session.execute(
+            text(
+                "SELECT id, name, plugin, spec, weight, max_staleness, prompt_cursor FROM tasks "
+                "WHERE job_id = :job AND status = 'active' ORDER BY id FOR NO KEY UPDATE"
+            ),
+            {"job": job_id},
+        ).all()
+        if not rows:
+            return []
+        counts: dict[int, int] = dict(
+            self.session.execute(
+                text(
+                    f"SELECT task_id, count(*) FROM episodes WHERE task_id = ANY(:ids) "
+                    f"AND ({_OUTSTANDING}) GROUP BY task_id"
+                ),
+                {"ids": [r.id for r in rows]},
+            ).all()
+        )
+        return [
+            SeedRow(
+                task_id=r.id,
+                name=r.name,
+                plugin=r.plugin,
+                spec=dict(r.spec),
+                weight=r.weight,
+                max_staleness=r.max_staleness,
+                prompt_cursor=r.prompt_cursor,
+                outstanding=int(counts.get(r.id, 0)),
+            )
+            for r in rows
+        ]
+
+    def add_episodes(
+        self,
+        *,
+        job_id: int,
+        task_id: int,
+        first_index: int,
+        prompts: Sequence[dict[str, Any]],
+        group_size: int,
+        advance_cursor: bool = True,
+    ) -> list[int]:
+        """Queue one episode per prompt; advance the task's prompt cursor past them."""
+        if not prompts:
+            return []
+        ids = self.session.scalars(
+            insert(Episode)
+            .values(
+                [
+                    {
+                        "job_id": job_id,
+                        "task_id": task_id,
+                        "prompt_index": first_index + i,
+                        "prompt": p,
+                        "group_size": group_size,
+                    }
+                    for i, p in enumerate(prompts)
+                ]
+            )
+            .returning(Episode.id)
+        ).all()
+        if advance_cursor:
+            self.session.execute(
+                text("UPDATE tasks SET prompt_cursor = :c WHERE id = :t"),
+                {"c": first_index + len(prompts), "t": task_id},
+            )
+        return list(ids)
+
+    # -- claims ----------------------------------------------------------------------------
+
+    def task_loads(self, job_id: int, claim_window_s: float) -> list[TaskLoad]:
+        """Claimable tasks (active or draining) with leased/queued counts and claim scores."""
+        rows = self.session.execute(
+            text(
+                """
+                SELECT t.id, t.weight, t.max_inflight,
+                  (SELECT count(*) FROM episodes e
+                    WHERE e.task_id = t.id AND e.status = 'leased') AS leased,
+                  (SELECT count(*) FROM (SELECT 1 FROM episodes e
+                    WHERE e.task_id = t.id AND e.status = 'queued' LIMIT 64) q) AS queued,
+                  t.claim_score * exp(-greatest(extract(epoch FROM now() - t.claim_score_at), 0)
+                    / :tau) AS score
+                FROM tasks t
+                WHERE t.job_id = :job AND t.status IN ('active', 'draining')
+                """
+            ),
+            {"job": job_id, "tau": claim_window_s},
+        ).all()
+        return [
+            TaskLoad(
+                task_id=r.id,
+                weight=r.weight,
+                leased=int(r.leased),
+                max_inflight=r.max_inflight,
+                queued=int(r.queued),
+                recent_claims=float(r.score),  # type: ignore[arg-type]
+            )
+            for r in rows
+        ]
+
+    def claim_from_task(
+        self, task_id: int, worker_id: int, lease_s: float, claim_window_s: float
+    ) -> LeasedRow | None:
+        """Lease the oldest queued episode of the task, if the task is claimable and under its
+        ``max_inflight`` (checked under the task's row lock).
+
+        The task row is locked ``FOR NO KEY UPDATE`` (foreign-key checks of concurrent
+        trajectory writes, which take ``KEY SHARE``, do not wait for it), inside a savepoint
+        that is rolled back when the task has nothing to give, so a claimer holds at most one
+        task lock at a time and claimers cannot deadlock."""
+        savepoint = self.session.begin_nested()
+        task = self.session.execute(
+            text(
+                "SELECT id, name, plugin, spec, max_inflight FROM tasks "
+                "WHERE id = :t AND status IN ('active', 'draining') FOR NO KEY UPDATE"
+            ),
+            {"t": task_id},
+        ).one_or_none()
+        if task is None:
+            savepoint.rollback()
+            return None
+        row = self.session.execute(
+            text(
+                """
+                WITH cap AS (
+                    SELECT :t AS task_id
+                    WHERE (SELECT count(*) FROM episodes
+                           WHERE task_id = :t AND status = 'leased') < :max_inflight
+                ), pick AS (
+                    SELECT e.id FROM episodes e JOIN cap ON cap.task_id = e.task_id
+                    WHERE e.status = 'queued'
+                    ORDER BY e.id LIMIT 1
+                    FOR UPDATE OF e SKIP LOCKED
+                ), leased AS (
+                    UPDATE episodes e
+                    SET status = 'leased', lease_owner = :w, lease_epoch = e.lease_epoch + 1,
+                        lease_expires_at = now() + make_interval(secs => :lease_s),
+                        leased_at = now(), attempts = e.attempts + 1, updated_at = now()
+                    FROM pick WHERE e.id = pick.id
+                    RETURNING e.id, e.task_id, e.prompt_index, e.prompt, e.group_size,
+                              e.lease_epoch, e.attempts
+                ), score AS (
+                    UPDATE tasks SET
+                      claim_score = claim_score * exp(-greatest(
+                          extract(epoch FROM now() - claim_score_at), 0) / :tau) + 1,
+                      claim_score_at = now()
+                    WHERE id = (SELECT task_id FROM leased)
+                    RETURNING id
+                )
+                SELECT leased.*, (SELECT count(*) FROM score) AS scored FROM leased
+                """
+            ),
+            {
+                "t": task_id,
+                "max_inflight": task.max_inflight,
+                "w": worker_id,
+                "lease_s": lease_s,
+                "tau": claim_window_s,
+            },
+        ).one_or_none()
+        if row is None:
+            savepoint.rollback()
+            return None
+        savepoint.commit()
+        return LeasedRow(
+            id=row.id,
+            task_id=row.task_id,
+            task_name=task.name,
+            plugin=task.plugin,
+            spec=dict(task.spec),
+            prompt_index=row.prompt_index,
+            prompt=dict(row.prompt),
+            group_size=row.group_size,
+            lease_epoch=row.lease_epoch,
+            attempts=row.attempts,
+        )
+
+    def renew(self, worker_id: int, lease_s: float) -> list[tuple[int, int]]:
+        """Extend every lease the worker holds; returns (episode id, epoch) of each."""
+        rows = self.session.execute(
+            text(
+                "UPDATE episodes SET lease_expires_at = now() + make_interval(secs => :s) "
+                "WHERE lease_owner = :w AND status = 'leased' RETURNING id, lease_epoch"
+            ),
+            {"w": worker_id, "s": lease_s},
+        ).all()
+        return [(r.id, r.lease_epoch) for r in rows]
+
+    def lock_lease(self, episode_id: int, epoch: int, *, exclusive: bool) -> Any | None:
+        """The episode row if the lease (id, epoch) is still current, locked; else None.
+
+        ``FOR SHARE`` lets a group's samples checkpoint concurrently while blocking a requeue;
+        after waiting for one, the row is re-checked, so a moved-on epoch is always seen."""
+        mode = "UPDATE" if exclusive else "SHARE"
+        return self.session.execute(
+            text(
+                "SELECT id, task_id, group_size, lease_owner, lease_epoch, attempts FROM episodes "
+                f"WHERE id = :e AND lease_epoch = :ep AND status = 'leased' FOR {mode}"
+            ),
+            {"e": episode_id, "ep": epoch},
+        ).one_or_none()
+
+    def get_status(self, episode_id: int) -> Any | None:
+        return self.session.execute(
+            text("SELECT id, task_id, status, lease_epoch, group_size FROM episodes WHERE id = :e"),
+            {"e": episode_id},
+        ).one_or_none()
+
+    def complete(self, episode_id: int, min_policy_version: int | None) -> None:
+        self.session.execute(
+            text(
+                "UPDATE episodes SET status = 'done', lease_owner = NULL, lease_expires_at = NULL, "
+                "finished_at = now(), updated_at = now(), min_policy_version = :m WHERE id = :e"
+            ),
+            {"e": episode_id, "m": min_policy_version},
+        )
+
+    # -- requeue and quarantine --------------------------------------------------------------
+
+    def lock_expired_leases(self, job_id: int, limit: int = 1000) -> list[Any]:
+        return list(
+            self.session.execute(
+                text(
+                    "SELECT id, task_id, attempts FROM episodes WHERE job_id = :job "
+                    "AND status = 'leased' AND lease_expires_at < now() "
+                    "ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED"
+                ),
+                {"job": job_id, "n": limit},
+            ).all()
+        )
+
+    def lock_worker_leases(self, worker_id: int) -> list[Any]:
+        return list(
+            self.session.execute(
+                text(
+                    "SELECT id, task_id, attempts FROM episodes "
+                    "WHERE lease_owner = :w AND status = 'leased' ORDER BY id FOR UPDATE"
+                ),
+                {"w": worker_id},
+            ).all()
+        )
+
+    def requeue_or_quarantine(
+        self, rows: Sequence[Any], max_attempts: int, error: str
+    ) -> list[Requeued]:
+        """Return leased episodes to the queue (epoch bumped), or quarantine those that have
+        used ``max_attempts`` claims. Their in-progress samples stay for the next claimer;
+        a quarantined episode's in-progress samples are expired."""
+        out: list[Requeued] = []
+        requeue = [r.id for r in rows if r.attempts < max_attempts]
+        quarantine = [r for r in rows if r.attempts >= max_attempts]
+        if requeue:
+            self.session.execute(
+                text(
+                    "UPDATE episodes SET status = 'queued', lease_owner = NULL, "
+                    "lease_expires_at = NULL, lease_epoch = lease_epoch + 1, last_error = :err, "
+                    "updated_at = now() WHERE id = ANY(:ids)"
+                ),
+                {"ids": requeue, "err": error},
+            )
+            out += [Requeued(r.id, r.task_id, False) for r in rows if r.attempts < max_attempts]
+        if quarantine:
+            ids = [r.id for r in quarantine]
+            self.session.execute(
+                text(
+                    "UPDATE episodes SET status = 'quarantined', lease_owner = NULL, "
+                    "lease_expires_at = NULL, lease_epoch = lease_epoch + 1, last_error = :err, "
+                    "finished_at = now(), updated_at = now() WHERE id = ANY(:ids)"
+                ),
+                {"ids": ids, "err": error},
+            )
+            self.session.execute(
+                text(
+                    "UPDATE trajectories SET status = 'expired', updated_at = now() "
+                    "WHERE task_id = ANY(:tids) AND episode_id = ANY(:ids) "
+                    "AND status = 'in_progress'"
+                ),
+                {"tids": sorted({r.task_id for r in quarantine}), "ids": ids},
+            )
+            out += [Requeued(r.id, r.task_id, True) for r in quarantine]
+        return out
+
+    def bump_task_counter(self, task_id: int, counter: str, by: int = 1) -> None:
+        assert counter in {
+            "fenced_rejections",
+            "expired_groups",
+            "quarantined_episodes",
+            "requeued_leases",
+        }
+        self.session.execute(
+            text(f"UPDATE tasks SET {counter} = {counter} + :n WHERE id = :t"),
+            {"n": by, "t": task_id},
+        )
+
+    # -- inspection ----------------------------------------------------------------------------
+
+    def counts_by_status(self, job_id: int) -> dict[tuple[int, str], int]:
+        rows = self.session.execute(
+            text(
+                "SELECT task_id, status::text, count(*) FROM episodes WHERE job_id = :job "
+                "GROUP BY task_id, status"
+            ),
+            {"job": job_id},
+        ).all()
+        return {(r[0], r[1]): int(r[2]) for r in rows}
+
+    def get_prompt_indexes(self, task_id: int) -> list[int]:
+        return list(
+            self.session.scalars(
+                text("SELECT prompt_index FROM episodes WHERE task_id = :t ORDER BY prompt_index"),
+                {"t": task_id},
+            )
+        )

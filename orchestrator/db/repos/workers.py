@@ -1,0 +1,113 @@
+"""Workers: one row per incarnation of a rollout node or trainer rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from orchestrator.domain import WorkerRole, WorkerStatus
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    id: int
+    job_id: int
+    role: WorkerRole
+    name: str
+    incarnation: int
+    status: WorkerStatus
+    last_heartbeat_at: datetime
+    loaded_version: int | None
+
+
+class WorkerRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def register(
+        self,
+        *,
+        job_id: int,
+        role: WorkerRole,
+        name: str,
+        host: str | None = None,
+        pid: int | None = None,
+        node_id: str | None = None,
+    ) -> WorkerView:
+        """A new incarnation of the slot ``name`` (incarnation = previous + 1), alive now."""
+        row = self.session.execute(
+            text(
+                """
+                INSERT INTO workers (job_id, role, name, incarnation, status, host, pid, node_id,
+                                     restarts)
+                SELECT :j, CAST(:role AS worker_role), CAST(:name AS varchar),
+                       coalesce(max(incarnation) + 1, 0), 'alive', :host, :pid, :node,
+                       coalesce(max(incarnation) + 1, 0)
+                FROM workers WHERE job_id = :j AND name = CAST(:name AS varchar)
+                RETURNING id, job_id, role::text, name, incarnation, status::text,
+                          last_heartbeat_at, loaded_version
+                """
+            ),
+            {
+                "j": job_id,
+                "role": role.value,
+                "name": name,
+                "host": host,
+                "pid": pid,
+                "node": node_id,
+            },
+        ).one()
+        return _view(row)
+
+    def heartbeat(self, worker_id: int, tokens_generated: int = 0) -> bool:
+        """Record liveness (and progress when tokens were generated). False: declared dead."""
+        row = self.session.execute(
+            text(
+                """
+                UPDATE workers SET last_heartbeat_at = now(),
+                    tokens_generated = tokens_generated + :n,
+                    last_progress_at = CASE WHEN :n > 0 THEN now() ELSE last_progress_at END
+                WHERE id = :w AND status IN ('starting', 'alive')
+                RETURNING id
+                """
+            ),
+            {"w": worker_id, "n": tokens_generated},
+        ).one_or_none()
+        return row is not None
+
+    def set_status(self, worker_id: int, status: WorkerStatus) -> None:
+        self.session.execute(
+            text(
+                "UPDATE workers SET status = CAST(:s AS worker_status), "
+                "stopped_at = CASE WHEN :s IN ('dead', 'failed', 'stopped') THEN now() "
+                "ELSE stopped_at END WHERE id = :w"
+            ),
+            {"w": worker_id, "s": status.value},
+        )
+
+    def get(self, worker_id: int) -> WorkerView | None:
+        row = self.session.execute(
+            text(
+                "SELECT id, job_id, role::text, name, incarnation, status::text, "
+                "last_heartbeat_at, loaded_version FROM workers WHERE id = :w"
+            ),
+            {"w": worker_id},
+        ).one_or_none()
+        return _view(row) if row else None
+
+
+def _view(r: Any) -> WorkerView:
+    return WorkerView(
+        id=r.id,
+        job_id=r.job_id,
+        role=WorkerRole(r.role),
+        name=r.name,
+        incarnation=r.incarnation,
+        status=WorkerStatus(r.status),
+        last_heartbeat_at=r.last_heartbeat_at,
+        loaded_version=r.loaded_version,
+    )
