@@ -9,7 +9,8 @@ Semantics (documented in the README's "Quotas" section):
   ``batch_share = batch_groups * weight / total weight`` of the seeding tasks. More would be
   generated faster than the trainer can consume it inside the staleness bound, i.e. go stale.
 - **Claim order**: among tasks with queued work and fewer than ``max_inflight`` episodes leased,
-  the one with the largest deficit against its weighted fair share of recent claims goes first.
+  the one with the largest deficit against its weighted fair share of recent claims goes first
+  (under constant weights every task stays within about one claim of its share).
 - **Batch allocation**: a deficit-carrying largest-remainder split. Each task with eligible data
   gets ``batch_groups * weight / total weight`` groups on average; the fractional remainder is
   carried to the next step, so over any run of steps each task's total stays within one group
@@ -66,7 +67,7 @@ class TaskLoad:
     leased: int
     max_inflight: int
     queued: int
-    recent_claims: int
+    recent_claims: float  # recent claims (a decayed count)
 
 
 def claim_order(loads: Sequence[TaskLoad]) -> list[int]:

@@ -1,5 +1,6 @@
-"""Buffer state machine: group staleness and step reservation on episodes, per-task counters,
-and the partial indexes that claims, admission and batch claims use.
+"""Buffer state machine: group staleness and step reservation on episodes, per-task counters
+and claim scores, the pending batch of a job, the partial indexes that claims, admission and
+batch claims use, and uncompressed (EXTERNAL) storage for token payloads.
 
 Revision ID: 0002
 Revises: 0001
@@ -20,7 +21,96 @@ branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
 
+# Token payloads are incompressible to pglz in practice; trying costs ~1 ms per 4K-token row.
+PAYLOAD_COLUMNS = ("token_ids", "loss_mask", "behaviour_logprobs")
+
+
+# One claim attempt in one statement (run in autocommit): the task lock is held only while the
+# function runs. Every statement of a VOLATILE function sees a fresh snapshot, so the count of
+# leased episodes taken after the task lock includes every lease committed before it.
+# p_wait = false: tasks whose lock is held elsewhere are skipped (returned in ``skipped``) and
+# the function never waits, so it may hold several task locks; p_wait = true: one task, waited
+# for. Either way no claimer waits while holding a lock another claimer waits for.
+CLAIM_FN = """
+CREATE FUNCTION rollcall_claim(
+    p_tasks bigint[], p_worker bigint, p_lease_s double precision, p_tau double precision,
+    p_wait boolean
+) RETURNS TABLE (
+    outcome text, skipped bigint[], episode_id bigint, task_id bigint, prompt_index bigint,
+    prompt jsonb, group_size integer, lease_epoch bigint, attempts integer, task_name text,
+    plugin text, spec jsonb
+) LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    t bigint;
+    tk record;
+    ep record;
+    n bigint;
+    v_skipped bigint[] := '{}';
+BEGIN
+    FOREACH t IN ARRAY p_tasks LOOP
+        IF p_wait THEN
+            SELECT k.id, k.name, k.plugin, k.spec, k.max_inflight INTO tk FROM tasks k
+            WHERE k.id = t AND k.status IN ('active', 'draining') FOR NO KEY UPDATE;
+        ELSE
+            SELECT k.id, k.name, k.plugin, k.spec, k.max_inflight INTO tk FROM tasks k
+            WHERE k.id = t AND k.status IN ('active', 'draining') FOR NO KEY UPDATE SKIP LOCKED;
+        END IF;
+        IF NOT FOUND THEN
+            IF NOT p_wait THEN
+                v_skipped := v_skipped || t;
+            END IF;
+            CONTINUE;
+        END IF;
+        SELECT count(*) INTO n FROM episodes e WHERE e.task_id = t AND e.status = 'leased';
+        IF n >= tk.max_inflight THEN
+            CONTINUE;
+        END IF;
+        UPDATE episodes e
+        SET status = 'leased', lease_owner = p_worker, lease_epoch = e.lease_epoch + 1,
+            lease_expires_at = now() + make_interval(secs => p_lease_s),
+            leased_at = now(), attempts = e.attempts + 1, updated_at = now()
+        WHERE e.id = (
+            SELECT q.id FROM episodes q WHERE q.task_id = t AND q.status = 'queued'
+            ORDER BY q.id LIMIT 1 FOR UPDATE SKIP LOCKED
+        )
+        RETURNING e.id, e.task_id, e.prompt_index, e.prompt, e.group_size, e.lease_epoch,
+                  e.attempts INTO ep;
+        IF NOT FOUND THEN
+            CONTINUE;
+        END IF;
+        UPDATE tasks SET
+            claim_score = claim_score
+                * exp(-greatest(extract(epoch FROM now() - claim_score_at), 0) / p_tau) + 1,
+            claim_score_at = now()
+        WHERE id = t;
+        RETURN QUERY SELECT 'leased'::text, v_skipped, ep.id, ep.task_id, ep.prompt_index,
+            ep.prompt, ep.group_size, ep.lease_epoch, ep.attempts, tk.name::text,
+            tk.plugin::text, tk.spec;
+        RETURN;
+    END LOOP;
+    RETURN QUERY SELECT 'none'::text, v_skipped, NULL::bigint, NULL::bigint, NULL::bigint,
+        NULL::jsonb, NULL::integer, NULL::bigint, NULL::integer, NULL::text, NULL::text,
+        NULL::jsonb;
+END $$
+"""
+
+
 def upgrade() -> None:
+    op.execute(CLAIM_FN)
+    # Trajectories are identified by (task, episode, sample): drop the surrogate key, its
+    # sequence and the status index (writes maintain fewer indexes; status updates can be HOT).
+    op.drop_index("ix_trajectories_task_id_status", table_name="trajectories")
+    op.drop_constraint(
+        "uq_trajectories_task_id_episode_id_sample_index", "trajectories", type_="unique"
+    )
+    op.drop_constraint("pk_trajectories", "trajectories", type_="primary")
+    op.drop_column("trajectories", "id")
+    op.execute(sa.schema.DropSequence(sa.Sequence("trajectories_id_seq")))
+    op.create_primary_key(
+        "pk_trajectories", "trajectories", ["task_id", "episode_id", "sample_index"]
+    )
+    for col in PAYLOAD_COLUMNS:
+        op.execute(f"ALTER TABLE trajectories ALTER COLUMN {col} SET STORAGE EXTERNAL")
     op.add_column("jobs", sa.Column("pending_step", sa.Integer(), nullable=True))
     op.add_column(
         "jobs", sa.Column("pending_mix", postgresql.JSONB(astext_type=sa.Text()), nullable=True)
@@ -87,6 +177,33 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    op.execute(
+        "DROP FUNCTION rollcall_claim(bigint[], bigint, double precision, double precision, boolean)"
+    )
+    for col in PAYLOAD_COLUMNS:
+        op.execute(f"ALTER TABLE trajectories ALTER COLUMN {col} SET STORAGE EXTENDED")
+    op.drop_constraint("pk_trajectories", "trajectories", type_="primary")
+    op.execute(sa.schema.CreateSequence(sa.Sequence("trajectories_id_seq")))
+    op.add_column(
+        "trajectories",
+        sa.Column(
+            "id",
+            sa.BigInteger(),
+            server_default=sa.text("nextval('trajectories_id_seq')"),
+            nullable=False,
+        ),
+    )
+    op.create_primary_key("pk_trajectories", "trajectories", ["task_id", "id"])
+    op.create_unique_constraint(
+        "uq_trajectories_task_id_episode_id_sample_index",
+        "trajectories",
+        ["task_id", "episode_id", "sample_index"],
+    )
+    op.create_index(
+        "ix_trajectories_task_id_status",
+        "trajectories",
+        ["task_id", "status", "min_policy_version"],
+    )
     op.drop_column("tasks", "claim_score_at")
     op.drop_column("tasks", "claim_score")
     op.drop_column("jobs", "pending_mix")

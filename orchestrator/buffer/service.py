@@ -41,6 +41,7 @@ from orchestrator.buffer.types import (
 )
 from orchestrator.config import BufferConfig
 from orchestrator.db.engine import Database, Tx
+from orchestrator.db.repos.episodes import LeasedRow
 from orchestrator.db.repos.workers import WorkerView
 from orchestrator.domain import WorkerRole, WorkerStatus
 from orchestrator.errors import ConflictError, StaleLeaseError
@@ -163,32 +164,43 @@ class Buffer:
 
     def claim(self, worker_id: int) -> ClaimedEpisode | None:
         """Lease one episode for the worker, or None when no task has claimable work."""
-        with self.db.transaction() as tx:
-            loads = tx.episodes.task_loads(self.job_id, self.config.claim_window_s)
-            for task_id in claim_order(loads):
-                row = tx.episodes.claim_from_task(
-                    task_id, worker_id, self.config.lease_s, self.config.claim_window_s
+        # Autocommit: each claim attempt is one statement and one transaction, so a task's
+        # lock is held only while the database runs it. First attempt: never wait; a task whose
+        # lock another claimer holds is skipped, which spreads claimers over tasks. Only when
+        # every candidate was skipped, wait for them one at a time, best first.
+        with self.db.autocommit() as tx:
+            order = claim_order(tx.episodes.task_loads(self.job_id, self.config.claim_window_s))
+            if not order:
+                return None
+            row, skipped = tx.episodes.claim(
+                order, worker_id, self.config.lease_s, self.config.claim_window_s, wait=False
+            )
+            for task_id in skipped if row is None else ():
+                row, _ = tx.episodes.claim(
+                    [task_id], worker_id, self.config.lease_s, self.config.claim_window_s, wait=True
                 )
-                if row is None:
-                    continue
-                if row.attempts > 1:
-                    samples = tx.trajectories.samples_for_resume(
-                        row.task_id, row.id, row.group_size
-                    )
-                else:
-                    samples = tuple(SampleState(i, "new") for i in range(row.group_size))
-                return ClaimedEpisode(
-                    lease=Lease(row.id, row.task_id, row.lease_epoch, worker_id),
-                    task_name=row.task_name,
-                    plugin=row.plugin,
-                    spec=row.spec,
-                    prompt_index=row.prompt_index,
-                    prompt=row.prompt,
-                    group_size=row.group_size,
-                    attempts=row.attempts,
-                    samples=samples,
-                )
-        return None
+                if row is not None:
+                    break
+            if row is None:
+                return None
+            return self._claimed(tx, row, worker_id)
+
+    def _claimed(self, tx: Tx, row: LeasedRow, worker_id: int) -> ClaimedEpisode:
+        if row.attempts > 1:
+            samples = tx.trajectories.samples_for_resume(row.task_id, row.id, row.group_size)
+        else:
+            samples = tuple(SampleState(i, "new") for i in range(row.group_size))
+        return ClaimedEpisode(
+            lease=Lease(row.id, row.task_id, row.lease_epoch, worker_id),
+            task_name=row.task_name,
+            plugin=row.plugin,
+            spec=row.spec,
+            prompt_index=row.prompt_index,
+            prompt=row.prompt,
+            group_size=row.group_size,
+            attempts=row.attempts,
+            samples=samples,
+        )
 
     def checkpoint(self, lease: Lease, sample_index: int, payload: TrajectoryPayload) -> None:
         """Record a trajectory's progress after a turn. Fenced by the lease epoch."""
@@ -247,10 +259,7 @@ class Buffer:
                 )
                 if not exclusive:
                     return CommitResult((), (), False)
-                ready, min_version = tx.trajectories.group_progress(row.task_id, lease.episode_id)
-                done = ready >= row.group_size
-                if done:
-                    tx.episodes.complete(lease.episode_id, min_version)
+                done = tx.episodes.complete_if_whole(row.task_id, lease.episode_id)
                 indexes = [s[0] for s in samples]
                 return CommitResult(
                     committed=tuple(i for i in indexes if i in written),

@@ -29,7 +29,6 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
-    Sequence,
     String,
     Text,
     UniqueConstraint,
@@ -267,23 +266,16 @@ class Episode(Base):
     )
 
 
-trajectory_id_seq = Sequence("trajectories_id_seq", metadata=Base.metadata)
-
-
 class Trajectory(Base):
     """One sample of a group: the replay buffer. Partitioned by ``task_id``."""
 
     __tablename__ = "trajectories"
 
+    # Identity: (task, episode, sample). No surrogate key and no status index: fewer indexes
+    # to maintain on the write path, and status changes can be HOT updates.
     task_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    id: Mapped[int] = mapped_column(
-        BigInteger,
-        trajectory_id_seq,
-        primary_key=True,
-        server_default=trajectory_id_seq.next_value(),
-    )
-    episode_id: Mapped[int] = mapped_column(BigInteger, nullable=False)
-    sample_index: Mapped[int] = mapped_column(Integer, nullable=False)
+    episode_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    sample_index: Mapped[int] = mapped_column(Integer, primary_key=True)
     status: Mapped[TrajectoryStatus] = mapped_column(
         _enum(TrajectoryStatus, "trajectory_status"),
         nullable=False,
@@ -329,13 +321,11 @@ class Trajectory(Base):
     __table_args__ = (
         ForeignKeyConstraint(["episode_id"], ["episodes.id"], ondelete="RESTRICT"),
         ForeignKeyConstraint(["task_id"], ["tasks.id"], ondelete="RESTRICT"),
-        UniqueConstraint("task_id", "episode_id", "sample_index"),
         CheckConstraint("sample_index >= 0", name="sample_index_nonneg"),
         CheckConstraint(
             "(status IN ('ready', 'claimed', 'consumed')) <= (reward IS NOT NULL)",
             name="reward_when_ready",
         ),
-        Index("ix_trajectories_task_id_status", "task_id", "status", "min_policy_version"),
         {"postgresql_partition_by": "LIST (task_id)"},
     )
 

@@ -135,7 +135,7 @@ def test_fencing_rejects_stale_writes_and_changes_nothing(db: Database, engine: 
     buf.checkpoint(c1.lease, 0, payload(0, seed=1))
     buf.requeue_worker(w1.id)  # w1 declared dead; its lease moves on
 
-    before = rows(engine, "SELECT * FROM trajectories ORDER BY id")
+    before = rows(engine, "SELECT * FROM trajectories ORDER BY episode_id, sample_index")
     episodes_before = rows(engine, "SELECT * FROM episodes ORDER BY id")
     with pytest.raises(StaleLeaseError):
         buf.checkpoint(c1.lease, 0, payload(0, seed=2))
@@ -143,7 +143,7 @@ def test_fencing_rejects_stale_writes_and_changes_nothing(db: Database, engine: 
         buf.commit(c1.lease, 1, payload(0), 1.0)
     with pytest.raises(StaleLeaseError):
         buf.commit_many(c1.lease, [(0, payload(0), 1.0, None), (1, payload(0), 1.0, None)])
-    assert rows(engine, "SELECT * FROM trajectories ORDER BY id") == before
+    assert rows(engine, "SELECT * FROM trajectories ORDER BY episode_id, sample_index") == before
     assert rows(engine, "SELECT * FROM episodes ORDER BY id") == episodes_before
     assert scalar(engine, "SELECT fenced_rejections FROM tasks WHERE id = :t", t=ids["a"]) == 3
 

@@ -2,9 +2,9 @@
 
 Guarantees (with the callers in ``orchestrator.buffer``):
 
-- A claim locks the task row, recounts the task's leased episodes under that lock and takes one
-  queued episode with ``FOR UPDATE SKIP LOCKED``: no episode is leased twice at once, and a
-  task never has more than ``max_inflight`` episodes leased.
+- A claim (``rollcall_claim``, one statement) locks the task row, recounts the task's leased
+  episodes under that lock and takes one queued episode with ``FOR UPDATE SKIP LOCKED``: no
+  episode is leased twice at once, and a task never has more than ``max_inflight`` leased.
 - Every claim bumps ``lease_epoch``; every requeue bumps it again, so a write by the previous
   holder is rejected (fencing).
 - Lease expiry is judged on the database clock (``now()``), never a worker's.
@@ -12,10 +12,10 @@ Guarantees (with the callers in ``orchestrator.buffer``):
   never requeued forever.
 
 Deadlock freedom: task rows are locked ``FOR NO KEY UPDATE`` (so foreign-key checks, which
-take ``KEY SHARE``, never wait on them); a claimer holds at most one task lock at a time and
-never waits on an episode lock (SKIP LOCKED); seeding locks task rows in id order and waits on
-no episode. Paths that lock episodes and then bump a task counter (sweep, expiry) can wait for
-a claimer, but no claimer waits for them.
+take ``KEY SHARE``, never wait on them); a claim either waits for nothing (SKIP LOCKED
+everywhere) or waits for one task lock while holding none; seeding locks task rows in id
+order and waits on no episode. Paths that lock episodes and then bump a task counter (sweep,
+expiry) can wait for a claimer, but no claimer waits for them.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from sqlalchemy import text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
+from orchestrator.db import raw
 from orchestrator.db.models import Episode
 from orchestrator.quotas import TaskLoad
 
@@ -148,22 +149,24 @@ class EpisodeRepository:
 
     def task_loads(self, job_id: int, claim_window_s: float) -> list[TaskLoad]:
         """Claimable tasks (active or draining) with leased/queued counts and claim scores."""
-        rows = self.session.execute(
-            text(
+        rows = (
+            raw.cursor(self.session)
+            .execute(
                 """
-                SELECT t.id, t.weight, t.max_inflight,
-                  (SELECT count(*) FROM episodes e
-                    WHERE e.task_id = t.id AND e.status = 'leased') AS leased,
-                  (SELECT count(*) FROM (SELECT 1 FROM episodes e
-                    WHERE e.task_id = t.id AND e.status = 'queued' LIMIT 64) q) AS queued,
-                  t.claim_score * exp(-greatest(extract(epoch FROM now() - t.claim_score_at), 0)
-                    / :tau) AS score
-                FROM tasks t
-                WHERE t.job_id = :job AND t.status IN ('active', 'draining')
-                """
-            ),
-            {"job": job_id, "tau": claim_window_s},
-        ).all()
+            SELECT t.id, t.weight, t.max_inflight,
+              (SELECT count(*) FROM episodes e
+                WHERE e.task_id = t.id AND e.status = 'leased') AS leased,
+              (SELECT count(*) FROM (SELECT 1 FROM episodes e
+                WHERE e.task_id = t.id AND e.status = 'queued' LIMIT 64) q) AS queued,
+              t.claim_score * exp(-greatest(extract(epoch FROM now() - t.claim_score_at), 0)
+                / %(tau)s) AS score
+            FROM tasks t
+            WHERE t.job_id = %(job)s AND t.status IN ('active', 'draining')
+            """,
+                {"job": job_id, "tau": claim_window_s},
+            )
+            .fetchall()
+        )
         return [
             TaskLoad(
                 task_id=r.id,
@@ -171,97 +174,72 @@ class EpisodeRepository:
                 leased=int(r.leased),
                 max_inflight=r.max_inflight,
                 queued=int(r.queued),
-                recent_claims=float(r.score),  # type: ignore[arg-type]
+                recent_claims=float(r.score),
             )
             for r in rows
         ]
 
-    def claim_from_task(
-        self, task_id: int, worker_id: int, lease_s: float, claim_window_s: float
-    ) -> LeasedRow | None:
-        """Lease the oldest queued episode of the task, if the task is claimable and under its
-        ``max_inflight`` (checked under the task's row lock).
+    def claim(
+        self,
+        task_ids: Sequence[int],
+        worker_id: int,
+        lease_s: float,
+        claim_window_s: float,
+        *,
+        wait: bool,
+    ) -> tuple[LeasedRow | None, list[int]]:
+        """Try the tasks in order and lease the oldest queued episode of the first one that is
+        claimable and under its ``max_inflight`` (``rollcall_claim``, see migration 0002).
 
-        The task row is locked ``FOR NO KEY UPDATE`` (foreign-key checks of concurrent
-        trajectory writes, which take ``KEY SHARE``, do not wait for it), inside a savepoint
-        that is rolled back when the task has nothing to give, so a claimer holds at most one
-        task lock at a time and claimers cannot deadlock."""
-        savepoint = self.session.begin_nested()
-        task = self.session.execute(
-            text(
-                "SELECT id, name, plugin, spec, max_inflight FROM tasks "
-                "WHERE id = :t AND status IN ('active', 'draining') FOR NO KEY UPDATE"
+        Run it in autocommit (``Database.autocommit()``): the task lock is then held only while
+        the function runs. ``wait=False`` skips tasks whose lock another claimer holds and
+        returns them; ``wait=True`` takes one task and waits for its lock."""
+        assert wait is False or len(task_ids) == 1, "a waiting claim tries one task"
+        row = (
+            raw.cursor(self.session)
+            .execute(
+                "SELECT * FROM rollcall_claim(%(tasks)s, %(w)s, %(lease)s, %(tau)s, %(wait)s)",
+                {
+                    "tasks": list(task_ids),
+                    "w": worker_id,
+                    "lease": lease_s,
+                    "tau": claim_window_s,
+                    "wait": wait,
+                },
+            )
+            .fetchone()
+        )
+        assert row is not None
+        skipped = list(row.skipped or [])
+        if row.outcome != "leased":
+            return None, skipped
+        return (
+            LeasedRow(
+                id=row.episode_id,
+                task_id=row.task_id,
+                task_name=row.task_name,
+                plugin=row.plugin,
+                spec=dict(row.spec),
+                prompt_index=row.prompt_index,
+                prompt=dict(row.prompt),
+                group_size=row.group_size,
+                lease_epoch=row.lease_epoch,
+                attempts=row.attempts,
             ),
-            {"t": task_id},
-        ).one_or_none()
-        if task is None:
-            savepoint.rollback()
-            return None
-        row = self.session.execute(
-            text(
-                """
-                WITH cap AS (
-                    SELECT :t AS task_id
-                    WHERE (SELECT count(*) FROM episodes
-                           WHERE task_id = :t AND status = 'leased') < :max_inflight
-                ), pick AS (
-                    SELECT e.id FROM episodes e JOIN cap ON cap.task_id = e.task_id
-                    WHERE e.status = 'queued'
-                    ORDER BY e.id LIMIT 1
-                    FOR UPDATE OF e SKIP LOCKED
-                ), leased AS (
-                    UPDATE episodes e
-                    SET status = 'leased', lease_owner = :w, lease_epoch = e.lease_epoch + 1,
-                        lease_expires_at = now() + make_interval(secs => :lease_s),
-                        leased_at = now(), attempts = e.attempts + 1, updated_at = now()
-                    FROM pick WHERE e.id = pick.id
-                    RETURNING e.id, e.task_id, e.prompt_index, e.prompt, e.group_size,
-                              e.lease_epoch, e.attempts
-                ), score AS (
-                    UPDATE tasks SET
-                      claim_score = claim_score * exp(-greatest(
-                          extract(epoch FROM now() - claim_score_at), 0) / :tau) + 1,
-                      claim_score_at = now()
-                    WHERE id = (SELECT task_id FROM leased)
-                    RETURNING id
-                )
-                SELECT leased.*, (SELECT count(*) FROM score) AS scored FROM leased
-                """
-            ),
-            {
-                "t": task_id,
-                "max_inflight": task.max_inflight,
-                "w": worker_id,
-                "lease_s": lease_s,
-                "tau": claim_window_s,
-            },
-        ).one_or_none()
-        if row is None:
-            savepoint.rollback()
-            return None
-        savepoint.commit()
-        return LeasedRow(
-            id=row.id,
-            task_id=row.task_id,
-            task_name=task.name,
-            plugin=task.plugin,
-            spec=dict(task.spec),
-            prompt_index=row.prompt_index,
-            prompt=dict(row.prompt),
-            group_size=row.group_size,
-            lease_epoch=row.lease_epoch,
-            attempts=row.attempts,
+            skipped,
         )
 
     def renew(self, worker_id: int, lease_s: float) -> list[tuple[int, int]]:
         """Extend every lease the worker holds; returns (episode id, epoch) of each."""
-        rows = self.session.execute(
-            text(
-                "UPDATE episodes SET lease_expires_at = now() + make_interval(secs => :s) "
-                "WHERE lease_owner = :w AND status = 'leased' RETURNING id, lease_epoch"
-            ),
-            {"w": worker_id, "s": lease_s},
-        ).all()
+        rows = (
+            raw.cursor(self.session)
+            .execute(
+                "UPDATE episodes SET lease_expires_at = now() + make_interval(secs => %(s)s) "
+                "WHERE lease_owner = %(w)s AND status = 'leased' RETURNING id, lease_epoch",
+                {"w": worker_id, "s": lease_s},
+            )
+            .fetchall()
+        )
         return [(r.id, r.lease_epoch) for r in rows]
 
     def lock_lease(self, episode_id: int, epoch: int, *, exclusive: bool) -> Any | None:
@@ -270,28 +248,43 @@ class EpisodeRepository:
         ``FOR SHARE`` lets a group's samples checkpoint concurrently while blocking a requeue;
         after waiting for one, the row is re-checked, so a moved-on epoch is always seen."""
         mode = "UPDATE" if exclusive else "SHARE"
-        return self.session.execute(
-            text(
+        return (
+            raw.cursor(self.session)
+            .execute(
                 "SELECT id, task_id, group_size, lease_owner, lease_epoch, attempts FROM episodes "
-                f"WHERE id = :e AND lease_epoch = :ep AND status = 'leased' FOR {mode}"
-            ),
-            {"e": episode_id, "ep": epoch},
-        ).one_or_none()
+                f"WHERE id = %(e)s AND lease_epoch = %(ep)s AND status = 'leased' FOR {mode}",
+                {"e": episode_id, "ep": epoch},
+            )
+            .fetchone()
+        )
+
+    def complete_if_whole(self, task_id: int, episode_id: int) -> bool:
+        """Mark the episode done when all ``group_size`` samples are committed (recording the
+        group's oldest policy version). Call with the episode locked ``FOR UPDATE``."""
+        row = (
+            raw.cursor(self.session)
+            .execute(
+                """
+            WITH prog AS (
+                SELECT count(*) AS n, min(min_policy_version) AS m FROM trajectories
+                WHERE task_id = %(t)s AND episode_id = %(e)s AND status = 'ready'
+            )
+            UPDATE episodes SET status = 'done', lease_owner = NULL, lease_expires_at = NULL,
+                   finished_at = now(), updated_at = now(), min_policy_version = prog.m
+            FROM prog WHERE episodes.id = %(e)s AND prog.n >= episodes.group_size
+            RETURNING episodes.id
+            """,
+                {"t": task_id, "e": episode_id},
+            )
+            .fetchone()
+        )
+        return row is not None
 
     def get_status(self, episode_id: int) -> Any | None:
         return self.session.execute(
             text("SELECT id, task_id, status, lease_epoch, group_size FROM episodes WHERE id = :e"),
             {"e": episode_id},
         ).one_or_none()
-
-    def complete(self, episode_id: int, min_policy_version: int | None) -> None:
-        self.session.execute(
-            text(
-                "UPDATE episodes SET status = 'done', lease_owner = NULL, lease_expires_at = NULL, "
-                "finished_at = now(), updated_at = now(), min_policy_version = :m WHERE id = :e"
-            ),
-            {"e": episode_id, "m": min_policy_version},
-        )
 
     # -- requeue and quarantine --------------------------------------------------------------
 

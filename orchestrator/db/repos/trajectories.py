@@ -10,15 +10,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import func, select, text
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from orchestrator.buffer.types import SampleState, TrajectoryPayload
+from orchestrator.db import raw
 from orchestrator.db.models import Trajectory
 from orchestrator.domain import TrajectoryStatus
 
-_PAYLOAD_COLUMNS = (
+_COLUMNS = (
+    "task_id",
+    "episode_id",
+    "sample_index",
+    "lease_epoch",
     "token_ids",
     "loss_mask",
     "behaviour_logprobs",
@@ -30,7 +34,24 @@ _PAYLOAD_COLUMNS = (
     "min_policy_version",
     "env_state",
     "finished",
+    "status",
+    "reward",
+    "reward_info",
 )
+_UPDATED = [c for c in _COLUMNS if c not in {"task_id", "episode_id", "sample_index"}]
+
+# One statement, compiled once: insert the sample, or update it while it is still in progress
+# (a committed sample is never overwritten; RETURNING is empty for it).
+_UPSERT = (
+    f"INSERT INTO trajectories ({', '.join(_COLUMNS)}, ready_at) "
+    f"VALUES ({', '.join(f'%({c})s' for c in _COLUMNS)}, "
+    "CASE WHEN %(status)s::trajectory_status = 'ready' THEN now() END) "
+    "ON CONFLICT (task_id, episode_id, sample_index) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c in _UPDATED)
+    + ", ready_at = excluded.ready_at, updated_at = now() "
+    "WHERE trajectories.status = 'in_progress'"
+)
+_UPSERT_RETURNING = _UPSERT + " RETURNING sample_index"
 
 
 class TrajectoryRepository:
@@ -47,54 +68,46 @@ class TrajectoryRepository:
     ) -> list[int]:
         """Write samples (index, payload, reward, reward_info). With a reward the sample is
         committed (``ready``); without, checkpointed (``in_progress``). Returns the sample
-        indexes written; samples already committed are left untouched."""
-        rows = []
-        for index, payload, reward, info in samples:
-            row: dict[str, Any] = {
+        indexes written; samples already committed are left untouched.
+
+        The caller holds the episode's lease lock, so the group's rows cannot change under us.
+        One sample: one statement. Several: their current statuses, then one pipelined
+        ``executemany``."""
+        params = [
+            {
                 "task_id": task_id,
                 "episode_id": episode_id,
                 "sample_index": index,
                 "lease_epoch": epoch,
                 **payload.encoded(),
-                "status": TrajectoryStatus.IN_PROGRESS
-                if reward is None
-                else TrajectoryStatus.READY,
+                "env_state": raw.jsonb(payload.env_state),
+                "status": "in_progress" if reward is None else "ready",
                 "reward": reward,
-                "reward_info": info or {},
-                "ready_at": None if reward is None else func.now(),
+                "reward_info": raw.jsonb(info or {}),
             }
-            rows.append(row)
-        stmt = insert(Trajectory).values(rows)
-        columns = (*_PAYLOAD_COLUMNS, "lease_epoch", "status", "reward", "reward_info", "ready_at")
-        update: dict[str, Any] = {c: stmt.excluded[c] for c in columns}
-        update["updated_at"] = func.now()
-        upsert = stmt.on_conflict_do_update(
-            index_elements=["task_id", "episode_id", "sample_index"],
-            set_=update,
-            where=Trajectory.status == TrajectoryStatus.IN_PROGRESS,
-        ).returning(Trajectory.sample_index)
-        return list(self.session.scalars(upsert))
-
-    def group_progress(self, task_id: int, episode_id: int) -> tuple[int, int | None]:
-        """(committed samples, oldest policy version among them) of one group."""
-        row = self.session.execute(
-            text(
-                "SELECT count(*), min(min_policy_version) FROM trajectories "
-                "WHERE task_id = :t AND episode_id = :e AND status = 'ready'"
-            ),
-            {"t": task_id, "e": episode_id},
-        ).one()
-        return int(row[0]), row[1]
+            for index, payload, reward, info in samples
+        ]
+        cur = raw.cursor(self.session)
+        if len(params) == 1:
+            row = cur.execute(_UPSERT_RETURNING, params[0]).fetchone()
+            return [params[0]["sample_index"]] if row is not None else []
+        current = self.statuses(task_id, episode_id)
+        todo = [p for p in params if current.get(p["sample_index"], "in_progress") == "in_progress"]
+        if todo:
+            cur.executemany(_UPSERT, todo)
+        return [p["sample_index"] for p in todo]
 
     def statuses(self, task_id: int, episode_id: int) -> dict[int, str]:
-        rows = self.session.execute(
-            text(
-                "SELECT sample_index, status::text FROM trajectories "
-                "WHERE task_id = :t AND episode_id = :e"
-            ),
-            {"t": task_id, "e": episode_id},
-        ).all()
-        return {r[0]: r[1] for r in rows}
+        rows = (
+            raw.cursor(self.session)
+            .execute(
+                "SELECT sample_index, status::text AS status FROM trajectories "
+                "WHERE task_id = %(t)s AND episode_id = %(e)s",
+                {"t": task_id, "e": episode_id},
+            )
+            .fetchall()
+        )
+        return {r.sample_index: r.status for r in rows}
 
     def samples_for_resume(
         self, task_id: int, episode_id: int, group_size: int
