@@ -96,6 +96,7 @@ class TaskView:
     created_at: datetime
     updated_at: datetime
     retired_at: datetime | None
+    counters: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -113,6 +114,7 @@ class TaskView:
             "created_at": self.created_at.isoformat(),
             "updated_at": self.updated_at.isoformat(),
             "retired_at": self.retired_at.isoformat() if self.retired_at else None,
+            "counters": self.counters,
         }
 
 

@@ -94,9 +94,89 @@ BEGIN
 END $$
 """
 
+# One sample's checkpoint (p_commit = false) or commit (p_commit = true) in one statement, fenced
+# by the lease epoch: FOR SHARE lets a group's samples checkpoint concurrently while blocking a
+# requeue; FOR UPDATE serialises commits of one group, so exactly one of them sees the group
+# whole and completes the episode. A committed sample is never overwritten. Outcomes: written,
+# already (committed before: an idempotent repeat), stale (the lease moved on: nothing written).
+WRITE_FN = """
+CREATE FUNCTION rollcall_write_sample(
+    p_episode bigint, p_epoch bigint, p_sample integer, p_commit boolean,
+    p_token_ids bytea, p_loss_mask bytea, p_logprobs bytea, p_num_tokens integer,
+    p_prompt_tokens integer, p_num_turns integer, p_turn_offsets integer[],
+    p_turn_versions integer[], p_min_version integer, p_env_state jsonb, p_finished boolean,
+    p_reward double precision, p_reward_info jsonb
+) RETURNS TABLE (outcome text, group_done boolean) LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    ep record;
+    n integer;
+    v_outcome text;
+    v_done boolean := false;
+BEGIN
+    IF p_commit THEN
+        SELECT e.task_id INTO ep FROM episodes e
+        WHERE e.id = p_episode AND e.lease_epoch = p_epoch AND e.status = 'leased' FOR UPDATE;
+    ELSE
+        SELECT e.task_id INTO ep FROM episodes e
+        WHERE e.id = p_episode AND e.lease_epoch = p_epoch AND e.status = 'leased' FOR SHARE;
+    END IF;
+    IF NOT FOUND THEN
+        IF p_commit THEN
+            SELECT e.task_id INTO ep FROM episodes e
+            WHERE e.id = p_episode AND e.lease_epoch = p_epoch AND e.status = 'done';
+            IF FOUND AND EXISTS (
+                SELECT 1 FROM trajectories tr WHERE tr.task_id = ep.task_id
+                AND tr.episode_id = p_episode AND tr.sample_index = p_sample
+                AND tr.status IN ('ready', 'claimed', 'consumed')
+            ) THEN
+                RETURN QUERY SELECT 'already'::text, true;
+                RETURN;
+            END IF;
+        END IF;
+        RETURN QUERY SELECT 'stale'::text, false;
+        RETURN;
+    END IF;
+    INSERT INTO trajectories AS tr (
+        task_id, episode_id, sample_index, lease_epoch, token_ids, loss_mask,
+        behaviour_logprobs, num_tokens, prompt_tokens, num_turns, turn_offsets, turn_versions,
+        min_policy_version, env_state, finished, status, reward, reward_info, ready_at
+    ) VALUES (
+        ep.task_id, p_episode, p_sample, p_epoch, p_token_ids, p_loss_mask, p_logprobs,
+        p_num_tokens, p_prompt_tokens, p_num_turns, p_turn_offsets, p_turn_versions,
+        p_min_version, p_env_state, p_finished,
+        CASE WHEN p_commit THEN 'ready' ELSE 'in_progress' END::trajectory_status,
+        p_reward, p_reward_info, CASE WHEN p_commit THEN now() END
+    )
+    ON CONFLICT (task_id, episode_id, sample_index) DO UPDATE SET
+        lease_epoch = excluded.lease_epoch, token_ids = excluded.token_ids,
+        loss_mask = excluded.loss_mask, behaviour_logprobs = excluded.behaviour_logprobs,
+        num_tokens = excluded.num_tokens, prompt_tokens = excluded.prompt_tokens,
+        num_turns = excluded.num_turns, turn_offsets = excluded.turn_offsets,
+        turn_versions = excluded.turn_versions, min_policy_version = excluded.min_policy_version,
+        env_state = excluded.env_state, finished = excluded.finished, status = excluded.status,
+        reward = excluded.reward, reward_info = excluded.reward_info,
+        ready_at = excluded.ready_at, updated_at = now()
+    WHERE tr.status = 'in_progress';
+    GET DIAGNOSTICS n = ROW_COUNT;
+    v_outcome := CASE WHEN n > 0 THEN 'written' ELSE 'already' END;
+    IF p_commit THEN
+        UPDATE episodes e SET status = 'done', lease_owner = NULL, lease_expires_at = NULL,
+               finished_at = now(), updated_at = now(), min_policy_version = prog.m
+        FROM (
+            SELECT count(*) AS c, min(t.min_policy_version) AS m FROM trajectories t
+            WHERE t.task_id = ep.task_id AND t.episode_id = p_episode AND t.status = 'ready'
+        ) prog
+        WHERE e.id = p_episode AND prog.c >= e.group_size;
+        v_done := FOUND;
+    END IF;
+    RETURN QUERY SELECT v_outcome, v_done;
+END $$
+"""
+
 
 def upgrade() -> None:
     op.execute(CLAIM_FN)
+    op.execute(WRITE_FN)
     # Trajectories are identified by (task, episode, sample): drop the surrogate key, its
     # sequence and the status index (writes maintain fewer indexes; status updates can be HOT).
     op.drop_index("ix_trajectories_task_id_status", table_name="trajectories")
@@ -179,6 +259,11 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.execute(
         "DROP FUNCTION rollcall_claim(bigint[], bigint, double precision, double precision, boolean)"
+    )
+    op.execute(
+        "DROP FUNCTION rollcall_write_sample(bigint, bigint, integer, boolean, bytea, bytea, bytea, "
+        "integer, integer, integer, integer[], integer[], integer, jsonb, boolean, "
+        "double precision, jsonb)"
     )
     for col in PAYLOAD_COLUMNS:
         op.execute(f"ALTER TABLE trajectories ALTER COLUMN {col} SET STORAGE EXTENDED")

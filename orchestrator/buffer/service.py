@@ -50,6 +50,7 @@ from tasks import registry
 from tasks.base import TaskPlugin
 
 ACTOR = "control-plane"
+_MOVED_ON = "the lease has moved on (requeued or expired)"
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ class Buffer:
 
     def checkpoint(self, lease: Lease, sample_index: int, payload: TrajectoryPayload) -> None:
         """Record a trajectory's progress after a turn. Fenced by the lease epoch."""
-        self._fenced(lease, [(sample_index, payload, None, None)], exclusive=False)
+        self._write_one(lease, sample_index, payload, None, None)
 
     def commit(
         self,
@@ -215,7 +216,7 @@ class Buffer:
         reward_info: dict[str, Any] | None = None,
     ) -> CommitResult:
         """Commit a finished trajectory as ``ready`` with its reward (idempotent, fenced)."""
-        return self.commit_many(lease, [(sample_index, payload, reward, reward_info)])
+        return self._write_one(lease, sample_index, payload, reward, reward_info)
 
     def commit_many(
         self,
@@ -223,7 +224,7 @@ class Buffer:
         samples: Sequence[tuple[int, TrajectoryPayload, float, dict[str, Any] | None]],
     ) -> CommitResult:
         """Commit several finished samples of one group in one transaction."""
-        return self._fenced(lease, list(samples), exclusive=True)
+        return self._commit_group(lease, list(samples))
 
     def release(self, lease: Lease, error: str) -> SweepResult:
         """The worker gives the episode up (e.g. its engine failed): requeue or quarantine."""
@@ -233,32 +234,47 @@ class Buffer:
                 raise StaleLeaseError(lease.episode_id, lease.epoch, "lease is no longer held")
             return self._requeue(tx, [row], f"released by worker: {error}")
 
-    def _fenced(
+    def _write_one(
+        self,
+        lease: Lease,
+        sample_index: int,
+        payload: TrajectoryPayload,
+        reward: float | None,
+        reward_info: dict[str, Any] | None,
+    ) -> CommitResult:
+        """One sample, one statement, in autocommit (the per-turn hot path)."""
+        with self.db.autocommit() as tx:
+            outcome, done = tx.trajectories.write_sample(
+                episode_id=lease.episode_id,
+                epoch=lease.epoch,
+                sample_index=sample_index,
+                payload=payload,
+                reward=reward,
+                reward_info=reward_info,
+            )
+            if outcome == "stale":
+                tx.episodes.bump_task_counter(lease.task_id, "fenced_rejections")
+        if outcome == "stale":
+            raise StaleLeaseError(lease.episode_id, lease.epoch, _MOVED_ON)
+        written = (sample_index,) if outcome == "written" and reward is not None else ()
+        already = (sample_index,) if outcome == "already" else ()
+        return CommitResult(committed=written, already=already, group_done=done)
+
+    def _commit_group(
         self,
         lease: Lease,
         samples: list[tuple[int, TrajectoryPayload, float | None, dict[str, Any] | None]],
-        *,
-        exclusive: bool,
     ) -> CommitResult:
-        rejected: StaleLeaseError | None = None
+        """Several samples of one group in one transaction, fenced by the episode lock."""
         with self.db.transaction() as tx:
-            row = tx.episodes.lock_lease(lease.episode_id, lease.epoch, exclusive=exclusive)
-            if row is None:
-                result = self._idempotent_commit(tx, lease, samples) if exclusive else None
-                if result is not None:
-                    return result
-                rejected = StaleLeaseError(
-                    lease.episode_id, lease.epoch, "the lease has moved on (requeued or expired)"
-                )
-            else:
+            row = tx.episodes.lock_lease(lease.episode_id, lease.epoch, exclusive=True)
+            if row is not None:
                 written = tx.trajectories.upsert(
                     task_id=row.task_id,
                     episode_id=lease.episode_id,
                     epoch=lease.epoch,
                     samples=samples,
                 )
-                if not exclusive:
-                    return CommitResult((), (), False)
                 done = tx.episodes.complete_if_whole(row.task_id, lease.episode_id)
                 indexes = [s[0] for s in samples]
                 return CommitResult(
@@ -266,10 +282,13 @@ class Buffer:
                     already=tuple(i for i in indexes if i not in written),
                     group_done=done,
                 )
+            result = self._idempotent_commit(tx, lease, samples)
+            if result is not None:
+                return result
         # Count the rejection in a transaction of its own (the rejected one wrote nothing).
         with self.db.transaction() as tx:
             tx.episodes.bump_task_counter(lease.task_id, "fenced_rejections")
-        raise rejected
+        raise StaleLeaseError(lease.episode_id, lease.epoch, _MOVED_ON)
 
     def _idempotent_commit(
         self,

@@ -173,6 +173,10 @@ def show(
     out.print(f"  spec: {task.spec}", markup=False)
     out.print(f"  episodes: {counts.episodes or 'none'}", markup=False)
     out.print(f"  trajectories: {counts.trajectories or 'none'}", markup=False)
+    out.print(
+        "  counters: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in task.counters.items()),
+        markup=False,
+    )
     for e in events:
         out.print(f"  {e.created_at:%Y-%m-%d %H:%M:%S}  {e.kind}  {e.message}", markup=False)
 

@@ -214,13 +214,22 @@ def retire_task(tx: Tx, *, job_name: str, name: str, confirmed: bool, actor: str
             f"task {name!r} still has {outstanding} queued or leased episodes; run `rollcall task "
             f"drain {name}` and retire it once they have finished"
         )
+    reserved = tx.tasks.groups_reserved_by_trainer(task.id)
+    if reserved:
+        raise ConflictError(
+            f"the trainer holds {reserved} groups of task {name!r} for a step it has not "
+            "committed yet; retry once that step is committed"
+        )
+    # Finished groups that will now never be trained end as expired (counted), not in limbo.
+    expired = tx.tasks.expire_untrained_groups(task.id)
     updated = tx.tasks.retire(task.id)
     tx.events.add(
         "task.retired",
         actor,
-        f"task {name!r} retired; partition {task.partition} detached",
+        f"task {name!r} retired; partition {task.partition} detached"
+        + (f"; {expired} untrained groups expired" if expired else ""),
         job_id=task.job_id,
         task_id=task.id,
-        payload={"from": task.status.value, "partition": task.partition},
+        payload={"from": task.status.value, "partition": task.partition, "expired_groups": expired},
     )
     return updated

@@ -327,3 +327,29 @@ def test_every_episode_ends_exactly_once(db: Database, engine: sa.Engine) -> Non
         )
         == 0
     )
+
+
+def test_retire_expires_untrained_groups_and_waits_for_the_trainer(
+    db: Database, engine: sa.Engine
+) -> None:
+    from orchestrator.services.tasks import retire_task
+
+    ids = add_tasks(db, {"name": "a", "group_size": 1, "max_staleness": 3})
+    buf = make_buffer(db, batch_groups=2)
+    buf.seed()  # cap (3+1)*2 = 8 episodes
+    w = buf.register_worker("r0").id
+    drain_queue(buf, w, version=0)
+    batch = buf.claim_batch(0)  # the trainer reserves 2 groups
+    with db.transaction() as tx:
+        change_status(tx, job_name="default", name="a", action="drain", actor="t")
+    with pytest.raises(ConflictError, match="trainer holds 2 groups"), db.transaction() as tx:
+        retire_task(tx, job_name="default", name="a", confirmed=True, actor="t")
+    buf.commit_step(0)
+    assert len(batch.groups) == 2
+    with db.transaction() as tx:
+        retire_task(tx, job_name="default", name="a", confirmed=True, actor="t")
+    states = dict(rows(engine, "SELECT status::text, count(*) FROM episodes GROUP BY 1"))
+    assert states == {"done": 2, "expired": 6}  # 2 trained, 6 finished but never trained
+    assert scalar(engine, "SELECT expired_groups FROM tasks WHERE id = :t", t=ids["a"]) == 6
+    payload = scalar(engine, "SELECT payload FROM events WHERE kind = 'task.retired'")
+    assert payload["expired_groups"] == 6

@@ -36,6 +36,12 @@ def task_view(task: Task, job_name: str) -> TaskView:
         created_at=task.created_at,
         updated_at=task.updated_at,
         retired_at=task.retired_at,
+        counters={
+            "fenced_rejections": task.fenced_rejections,
+            "expired_groups": task.expired_groups,
+            "quarantined_episodes": task.quarantined_episodes,
+            "requeued_leases": task.requeued_leases,
+        },
     )
 
 
@@ -189,6 +195,45 @@ class TaskRepository:
             )
             or False
         )
+
+    def groups_reserved_by_trainer(self, task_id: int) -> int:
+        return (
+            self.session.scalar(
+                select(func.count())
+                .select_from(Episode)
+                .where(
+                    Episode.task_id == task_id,
+                    Episode.claimed_step.is_not(None),
+                    Episode.consumed_step.is_(None),
+                )
+            )
+            or 0
+        )
+
+    def expire_untrained_groups(self, task_id: int) -> int:
+        """Finished groups never trained -> expired (with their trajectories); counted."""
+        ids = list(
+            self.session.scalars(
+                text(
+                    "UPDATE episodes SET status = 'expired', updated_at = now() WHERE task_id = :t "
+                    "AND status = 'done' AND consumed_step IS NULL RETURNING id"
+                ),
+                {"t": task_id},
+            )
+        )
+        if ids:
+            self.session.execute(
+                text(
+                    "UPDATE trajectories SET status = 'expired', updated_at = now() "
+                    "WHERE task_id = :t AND episode_id = ANY(:ids) AND status = 'ready'"
+                ),
+                {"t": task_id, "ids": ids},
+            )
+            self.session.execute(
+                text("UPDATE tasks SET expired_groups = expired_groups + :n WHERE id = :t"),
+                {"t": task_id, "n": len(ids)},
+            )
+        return len(ids)
 
     def episodes_outstanding(self, task_id: int) -> int:
         """Episodes still queued or leased (work not yet finished)."""

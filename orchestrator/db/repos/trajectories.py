@@ -97,6 +97,49 @@ class TrajectoryRepository:
             cur.executemany(_UPSERT, todo)
         return [p["sample_index"] for p in todo]
 
+    def write_sample(
+        self,
+        *,
+        episode_id: int,
+        epoch: int,
+        sample_index: int,
+        payload: TrajectoryPayload,
+        reward: float | None,
+        reward_info: dict[str, Any] | None,
+    ) -> tuple[str, bool]:
+        """Checkpoint (no reward) or commit one sample, fenced, in one statement
+        (``rollcall_write_sample``, migration 0002). Returns (outcome, group_done) with outcome
+        ``written``, ``already`` or ``stale``. Run it in autocommit."""
+        e = payload.encoded()
+        row = (
+            raw.cursor(self.session)
+            .execute(
+                f"SELECT * FROM rollcall_write_sample({', '.join(['%s'] * 17)})",
+                (
+                    episode_id,
+                    epoch,
+                    sample_index,
+                    reward is not None,
+                    e["token_ids"],
+                    e["loss_mask"],
+                    e["behaviour_logprobs"],
+                    e["num_tokens"],
+                    e["prompt_tokens"],
+                    e["num_turns"],
+                    e["turn_offsets"],
+                    e["turn_versions"],
+                    e["min_policy_version"],
+                    raw.jsonb(e["env_state"]),
+                    e["finished"],
+                    reward,
+                    raw.jsonb(reward_info or {}),
+                ),
+            )
+            .fetchone()
+        )
+        assert row is not None
+        return row.outcome, row.group_done
+
     def statuses(self, task_id: int, episode_id: int) -> dict[int, str]:
         rows = (
             raw.cursor(self.session)
