@@ -1,13 +1,26 @@
 """The contract every task plugin implements.
 
 A plugin has a registered ``name``, a one-line ``description`` and a ``Spec``: a pydantic model
-(``extra="forbid"``) that validates the YAML given to ``rollcall task register --spec``. Its
-prompt stream is deterministic: ``prompt(spec, index)`` is a pure function of the spec and the
-index, so a restart that resumes from a persisted cursor neither repeats nor skips prompts.
+(``extra="forbid"``) that validates the YAML given to ``rollcall task register --spec``. It
+provides:
+
+- a deterministic prompt stream: ``prompt(spec, index)`` is a pure function of the spec and the
+  index, so a restart that resumes from a persisted cursor neither repeats nor skips prompts;
+  ``eval_prompt(spec, index)`` is a held-out stream, disjoint from the training stream;
+- ``instructions``: the task statement the agent sees;
+- the tools it offers (name, description, JSON schema of the arguments) and the environment
+  step ``call_tool`` that applies one call to a JSON-serialisable state (so a trajectory can be
+  checkpointed and resumed) and returns the observation text. Bad arguments raise
+  ``ToolError``, whose message becomes the observation; the agent loop runs tools with a
+  timeout, so a tool that hangs or crashes never takes the worker down;
+- a pure, deterministic ``reward`` of the final answer, the environment state and the number of
+  turns used.
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,6 +33,29 @@ class TaskSpec(BaseModel):
 
     group_size: int = Field(default=4, ge=1, le=1024, description="samples per prompt (GRPO group)")
     seed: int = Field(default=0, description="seed of the prompt stream")
+    max_turns: int = Field(default=8, ge=1, le=256, description="model turns per trajectory")
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]  # JSON schema of the arguments object
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description, "parameters": self.parameters}
+
+
+@dataclass(frozen=True)
+class Observation:
+    text: str
+    state: dict[str, Any] = field(default_factory=dict)  # the environment state after the call
+    done: bool = False  # the environment ended the episode (e.g. the game was won)
+
+
+class ToolError(Exception):
+    """A tool call that cannot be applied (unknown tool, bad arguments); the message is shown
+    to the model as the observation."""
 
 
 @runtime_checkable
@@ -29,9 +65,88 @@ class TaskPlugin(Protocol):
     Spec: ClassVar[type[TaskSpec]]
 
     def prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
-        """The ``index``-th prompt of the stream (a JSON-serialisable mapping)."""
+        """The ``index``-th training prompt (a JSON-serialisable mapping)."""
         ...
 
-    def reward(self, spec: TaskSpec, prompt: dict[str, Any], completion: str) -> float:
-        """Pure, deterministic reward of a finished completion."""
+    def eval_prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
+        """The ``index``-th held-out prompt; never equal to a training prompt."""
         ...
+
+    def instructions(self, spec: TaskSpec, prompt: dict[str, Any]) -> str:
+        """The task statement shown to the agent."""
+        ...
+
+    def tools(self, spec: TaskSpec) -> list[Tool]: ...
+
+    def initial_state(self, spec: TaskSpec, prompt: dict[str, Any]) -> dict[str, Any]: ...
+
+    def call_tool(
+        self,
+        spec: TaskSpec,
+        prompt: dict[str, Any],
+        state: dict[str, Any],
+        name: str,
+        arguments: dict[str, Any],
+    ) -> Observation:
+        """Apply one tool call; raise ``ToolError`` for a call that cannot be applied."""
+        ...
+
+    def reward(
+        self,
+        spec: TaskSpec,
+        prompt: dict[str, Any],
+        answer: str | None,
+        state: dict[str, Any],
+        turns: int,
+    ) -> float:
+        """Pure, deterministic reward of a finished trajectory."""
+        ...
+
+
+class BaseTask:
+    """Defaults for a plugin without tools or environment state."""
+
+    def tools(self, spec: TaskSpec) -> list[Tool]:
+        return []
+
+    def initial_state(self, spec: TaskSpec, prompt: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def call_tool(
+        self,
+        spec: TaskSpec,
+        prompt: dict[str, Any],
+        state: dict[str, Any],
+        name: str,
+        arguments: dict[str, Any],
+    ) -> Observation:
+        known = ", ".join(t.name for t in self.tools(spec)) or "none"
+        raise ToolError(f"unknown tool {name!r}; available tools: {known}")
+
+
+def held_out(key: str, eval_fraction_per_mille: int = 100) -> bool:
+    """Whether a problem (by its canonical key) belongs to the held-out split. Training and
+    evaluation streams keep only problems of their own split, so they never overlap."""
+    digest = hashlib.sha256(key.encode()).digest()
+    return int.from_bytes(digest[:4], "little") % 1000 < eval_fraction_per_mille
+
+
+def require_args(arguments: dict[str, Any], **types: type) -> None:
+    """Check a tool call's arguments: exactly these names, of these types."""
+    missing = [k for k in types if k not in arguments]
+    extra = [k for k in arguments if k not in types]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing argument(s): {', '.join(missing)}")
+        if extra:
+            parts.append(f"unknown argument(s): {', '.join(extra)}")
+        raise ToolError("; ".join(parts))
+    for k, t in types.items():
+        v = arguments[k]
+        if t is int and isinstance(v, bool):
+            raise ToolError(f"argument {k!r} must be an integer")
+        if not isinstance(v, t):
+            raise ToolError(
+                f"argument {k!r} must be {'an integer' if t is int else 'a ' + t.__name__}"
+            )

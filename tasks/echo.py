@@ -1,5 +1,5 @@
-"""``echo``: repeat a short sequence of words. The smallest plugin; it exercises the registry
-and drives the buffer's state machine in tests without a model."""
+"""``echo``: repeat a short sequence of words. The smallest plugin: no tools, one turn. It
+exercises the registry and drives the buffer's state machine in tests without a model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from tasks.base import TaskSpec
+from tasks.base import BaseTask, TaskSpec
 
 DEFAULT_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
 
@@ -25,17 +25,41 @@ class EchoSpec(TaskSpec):
         return self
 
 
-class EchoTask:
+class EchoTask(BaseTask):
     name: ClassVar[str] = "echo"
     description: ClassVar[str] = "Repeat a short sequence of words (no tools; for plumbing tests)."
     Spec: ClassVar[type[TaskSpec]] = EchoSpec
 
+    def _target(self, spec: EchoSpec, stream: str, index: int) -> str:
+        rng = random.Random(f"echo:{stream}:{spec.seed}:{index}")
+        n = rng.randint(spec.min_length, spec.max_length)
+        return " ".join(rng.choice(spec.words) for _ in range(n))
+
     def prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
         assert isinstance(spec, EchoSpec)
-        rng = random.Random(f"echo:{spec.seed}:{index}")
-        n = rng.randint(spec.min_length, spec.max_length)
-        target = " ".join(rng.choice(spec.words) for _ in range(n))
+        target = self._target(spec, "train", index)
         return {"index": index, "text": f"Repeat exactly: {target}", "target": target}
 
-    def reward(self, spec: TaskSpec, prompt: dict[str, Any], completion: str) -> float:
-        return 1.0 if completion.strip() == prompt["target"] else 0.0
+    def eval_prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
+        assert isinstance(spec, EchoSpec)
+        # The vocabulary is tiny, so splits are by index stream, marked as held out.
+        target = self._target(spec, "eval", index)
+        return {
+            "index": index,
+            "text": f"Repeat exactly: {target}",
+            "target": target,
+            "held_out": True,
+        }
+
+    def instructions(self, spec: TaskSpec, prompt: dict[str, Any]) -> str:
+        return str(prompt["text"])
+
+    def reward(
+        self,
+        spec: TaskSpec,
+        prompt: dict[str, Any],
+        answer: str | None,
+        state: dict[str, Any],
+        turns: int,
+    ) -> float:
+        return 1.0 if answer is not None and answer.strip() == prompt["target"] else 0.0

@@ -17,7 +17,10 @@ ENTRY_POINT_GROUP = "rollcall.tasks"
 
 # name -> "module:Class" of the built-in plugins
 BUILTIN: dict[str, str] = {
+    "calculator": "tasks.calculator:CalculatorTask",
     "echo": "tasks.echo:EchoTask",
+    "guess": "tasks.guess:GuessTask",
+    "retrieval": "tasks.retrieval:RetrievalTask",
 }
 
 

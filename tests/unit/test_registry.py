@@ -16,7 +16,7 @@ def test_echo_is_registered_and_implements_protocol() -> None:
 
 
 def test_unknown_plugin_lists_available() -> None:
-    with pytest.raises(registry.UnknownPluginError, match="available plugins: echo"):
+    with pytest.raises(registry.UnknownPluginError, match="available plugins: calculator, echo"):
         registry.get("tasks.echo:EchoTask")  # an import path is not a plugin name
 
 
@@ -35,8 +35,9 @@ def test_echo_reward() -> None:
     plugin = registry.get("echo")
     spec = EchoSpec()
     prompt = {"target": "alpha bravo"}
-    assert plugin.reward(spec, prompt, "alpha bravo\n") == 1.0
-    assert plugin.reward(spec, prompt, "alpha") == 0.0
+    assert plugin.reward(spec, prompt, "alpha bravo\n", {}, 1) == 1.0
+    assert plugin.reward(spec, prompt, "alpha", {}, 1) == 0.0
+    assert plugin.reward(spec, prompt, None, {}, 1) == 0.0
 
 
 def test_echo_spec_validation() -> None:
