@@ -1,0 +1,1 @@
+"""Rollout nodes: the agent loop, tool execution and inference engines."""

@@ -1,0 +1,125 @@
+"""Running tool calls with a timeout, in isolation from the rollout node.
+
+``ToolRunner`` executes ``plugin.call_tool`` in a child process (forked once, reused): a tool
+that raises, receives malformed arguments, runs past ``timeout_s`` or exceeds ``memory_mb``
+yields an error observation for the model, and the node carries on. A child that hangs or dies
+is killed and replaced. The environment state crosses the process boundary as JSON-ready data,
+which is also what the buffer checkpoints.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import resource
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from tasks.base import Observation, TaskPlugin, TaskSpec, ToolError
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_MEMORY_MB = 1024
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    observation: str
+    state: dict[str, Any]
+    done: bool
+    error: bool  # the call failed (bad call, exception, timeout); ``observation`` says why
+
+
+def _serve(conn: Connection, memory_mb: int) -> None:
+    if memory_mb > 0:
+        limit = memory_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        plugin, spec, prompt, state, name, arguments = msg
+        try:
+            obs: Observation = plugin.call_tool(spec, prompt, state, name, arguments)
+            conn.send(("ok", obs.text, obs.state, obs.done))
+        except ToolError as e:
+            conn.send(("tool_error", str(e), state, False))
+        except MemoryError:
+            conn.send(("crash", "the tool ran out of memory", state, False))
+        except Exception as e:  # the tool's own bug: report it, keep serving
+            last = traceback.extract_tb(e.__traceback__)[-1:]
+            where = f" ({last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
+            conn.send(("crash", f"{type(e).__name__}: {e}{where}", state, False))
+
+
+class ToolRunner:
+    """One isolated tool process; ``call`` is safe to use from one thread at a time."""
+
+    def __init__(
+        self, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int = DEFAULT_MEMORY_MB
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.memory_mb = memory_mb
+        self._ctx = mp.get_context("fork")
+        self._proc: Any = None
+        self._conn: Connection | None = None
+        self.restarts = 0
+
+    def _ensure(self) -> Connection:
+        if self._proc is None or not self._proc.is_alive() or self._conn is None:
+            if self._proc is not None:
+                self.restarts += 1
+            parent, child = self._ctx.Pipe()
+            self._proc = self._ctx.Process(target=_serve, args=(child, self.memory_mb), daemon=True)
+            self._proc.start()
+            child.close()
+            self._conn = parent
+        return self._conn
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(timeout=5)
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None
+
+    def call(
+        self,
+        plugin: TaskPlugin,
+        spec: TaskSpec,
+        prompt: dict[str, Any],
+        state: dict[str, Any],
+        name: str,
+        arguments: Any,
+    ) -> ToolResult:
+        if not isinstance(arguments, dict):
+            return ToolResult("error: tool arguments must be a JSON object", state, False, True)
+        conn = self._ensure()
+        try:
+            conn.send((plugin, spec, prompt, state, name, arguments))
+            if not conn.poll(self.timeout_s):
+                self._kill()
+                return ToolResult(
+                    f"error: the tool {name!r} did not answer within {self.timeout_s:g} s",
+                    state,
+                    False,
+                    True,
+                )
+            kind, text, new_state, done = conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            self._kill()
+            return ToolResult(f"error: the tool {name!r} crashed", state, False, True)
+        if kind == "ok":
+            return ToolResult(text, new_state, done, False)
+        return ToolResult(f"error: {text}", new_state, False, True)
+
+    def close(self) -> None:
+        self._kill()
+
+    def __enter__(self) -> ToolRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
