@@ -1,0 +1,186 @@
+"""The agent loop: one trajectory, turn by turn, token-in/token-out.
+
+Guarantees:
+
+- The trajectory's tokens are exactly what the engine consumed and produced: every segment is
+  encoded once and appended; earlier turns are never re-encoded from text. Each generation
+  request's context is the trajectory so far.
+- Generated tokens carry loss mask 1 and their behaviour log-probs; prompt and tool-observation
+  tokens carry mask 0 and log-prob 0. Every turn records the policy version that generated it.
+- After every turn the trajectory is handed to ``on_turn`` (the rollout node checkpoints it
+  through the buffer, fenced by its lease). Given such a checkpoint, ``run`` resumes
+  mid-trajectory with the earlier turns unchanged.
+- Malformed turns, unknown tools, bad arguments, tool errors and timeouts become error
+  observations for the model; limits (turns, tokens per turn, tokens per trajectory) end the
+  trajectory without an answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.buffer.types import TrajectoryPayload
+from tasks.base import TaskPlugin, TaskSpec
+from workers.rollout.chat import (
+    Answer,
+    Malformed,
+    ToolCall,
+    observation_text,
+    parse_turn,
+    prompt_text,
+)
+from workers.rollout.engines.base import Engine, GenerationRequest
+from workers.rollout.tools import ToolRunner
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_turns: int = 8
+    max_tokens_per_turn: int = 96
+    max_tokens: int = 2048
+    temperature: float = 1.0
+
+
+@dataclass
+class Trajectory:
+    """A trajectory under construction (and what a checkpoint restores)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turn_offsets: list[int] = field(default_factory=list)
+    turn_versions: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    state: dict[str, Any] = field(default_factory=dict)
+    answer: str | None = None
+    finished: bool = False
+    stop_reason: str = ""
+
+    def append(
+        self, ids: list[int], *, generated: bool, logprobs: list[float] | None = None
+    ) -> None:
+        self.token_ids += ids
+        self.loss_mask += [1 if generated else 0] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+
+    def payload(self) -> TrajectoryPayload:
+        return TrajectoryPayload.build(
+            self.token_ids,
+            self.loss_mask,
+            self.logprobs,
+            turn_offsets=self.turn_offsets,
+            turn_versions=self.turn_versions,
+            prompt_tokens=self.prompt_tokens,
+            env_state={
+                "state": self.state,
+                "answer": self.answer,
+                "stop_reason": self.stop_reason,
+            },
+            finished=self.finished,
+        )
+
+    @classmethod
+    def from_payload(cls, p: TrajectoryPayload) -> Trajectory:
+        return cls(
+            token_ids=[int(x) for x in p.token_ids],
+            loss_mask=[int(x) for x in p.loss_mask],
+            logprobs=[float(x) for x in p.behaviour_logprobs],
+            turn_offsets=list(p.turn_offsets),
+            turn_versions=list(p.turn_versions),
+            prompt_tokens=p.prompt_tokens,
+            state=dict(p.env_state.get("state", {})),
+            answer=p.env_state.get("answer"),
+            finished=p.finished,
+            stop_reason=str(p.env_state.get("stop_reason", "")),
+        )
+
+
+@dataclass(frozen=True)
+class Outcome:
+    trajectory: Trajectory
+    reward: float
+    turns: int
+
+
+class AgentLoop:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        plugin: TaskPlugin,
+        spec: TaskSpec,
+        prompt: dict[str, Any],
+        tools: ToolRunner,
+        limits: Limits | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.plugin = plugin
+        self.spec = spec
+        self.prompt = prompt
+        self.tools = tools
+        self.limits = limits or Limits(max_turns=spec.max_turns)
+        self.eos_id = int(tokenizer.eos_token_id)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def start(self) -> Trajectory:
+        t = Trajectory(state=self.plugin.initial_state(self.spec, self.prompt))
+        ids = self._encode(
+            prompt_text(
+                self.plugin.tools(self.spec), self.plugin.instructions(self.spec, self.prompt)
+            )
+        )
+        t.append(ids, generated=False)
+        t.prompt_tokens = len(ids)
+        return t
+
+    def run(
+        self,
+        resume: TrajectoryPayload | None = None,
+        on_turn: Callable[[Trajectory], None] | None = None,
+    ) -> Outcome:
+        t = Trajectory.from_payload(resume) if resume is not None else self.start()
+        while not t.finished:
+            self.step(t)
+            if on_turn is not None:
+                on_turn(t)
+        reward = self.plugin.reward(self.spec, self.prompt, t.answer, t.state, len(t.turn_offsets))
+        return Outcome(t, reward, len(t.turn_offsets))
+
+    def step(self, t: Trajectory) -> None:
+        """One turn: generate, then apply the tool call or take the answer."""
+        budget = min(self.limits.max_tokens_per_turn, self.limits.max_tokens - len(t.token_ids))
+        if len(t.turn_offsets) >= self.limits.max_turns or budget <= 0:
+            t.finished, t.stop_reason = True, "turn limit" if budget > 0 else "token limit"
+            return
+        gen = self.engine.generate(
+            [GenerationRequest(list(t.token_ids), budget, self.limits.temperature)]
+        )[0]
+        t.turn_offsets.append(len(t.token_ids))
+        t.turn_versions.append(gen.version)
+        t.append(gen.token_ids, generated=True, logprobs=gen.logprobs)
+        if gen.finish_reason != "stop":
+            observation = "error: the turn was cut off; end each turn with a tool call or an answer"
+            done = False
+        else:
+            action = parse_turn(self.tokenizer.decode(gen.token_ids))
+            done = False
+            if isinstance(action, Answer):
+                t.answer, t.finished, t.stop_reason = action.text, True, "answer"
+                return
+            if isinstance(action, Malformed):
+                observation = f"error: {action.reason}"
+            else:
+                assert isinstance(action, ToolCall)
+                result = self.tools.call(
+                    self.plugin, self.spec, self.prompt, t.state, action.name, action.arguments
+                )
+                observation, t.state, done = result.observation, result.state, result.done
+        if done:  # the environment ended the episode (e.g. the game was won)
+            t.finished, t.stop_reason = True, "environment"
+            return
+        t.append(self._encode(observation_text(observation)), generated=False)

@@ -1,0 +1,40 @@
+"""The engine protocol: generate tokens with their behaviour log-probs, load the weights of a
+policy version, report health and progress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]  # the whole context so far, exactly as the trajectory holds it
+    max_new_tokens: int
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: list[int]  # generated tokens, the stop token included when one was produced
+    logprobs: list[float]  # log-prob of each generated token under the sampling distribution
+    finish_reason: str  # "stop" (stop token) or "length"
+    version: int  # the policy version that generated them
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    version: int
+    tokens_generated: int
+    requests: int
+
+
+class Engine(Protocol):
+    @property
+    def version(self) -> int: ...
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Generation]: ...
+
+    def load_weights(self, version: int, location: str) -> None: ...
+
+    def health(self) -> EngineHealth: ...
