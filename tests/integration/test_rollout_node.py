@@ -1,0 +1,129 @@
+"""A rollout node on real Ray and real PostgreSQL completes claimed episodes for two tasks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from orchestrator.config import BufferConfig
+from orchestrator.db.engine import Database
+from tests.integration.buffer_helpers import add_tasks, rows, scalar
+from workers.rollout.agent import Limits
+from workers.rollout.node import NodeConfig, RolloutNode, rollout_actor
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from workers.tiny_model import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def ray_local() -> Iterator[Any]:
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+def _register(db: Database) -> dict[str, int]:
+    from orchestrator.services.tasks import register_task
+
+    ids = add_tasks(db, {"name": "echo", "group_size": 2, "max_staleness": 4})
+    with db.transaction() as tx:
+        t = register_task(
+            tx,
+            job_name="default",
+            name="calc",
+            plugin="calculator",
+            actor="test",
+            max_staleness=4,
+            spec_data={"group_size": 2, "max_turns": 2},
+        )
+        ids["calc"] = t.id
+    return ids
+
+
+def test_rollout_node_actor_completes_episodes_for_two_tasks(
+    ray_local: Any, tiny_dir: Path, db: Database, db_url: str, engine: sa.Engine
+) -> None:
+    ids = _register(db)
+    buffer = BufferConfig(batch_groups=2)
+    from orchestrator.buffer.service import Buffer
+
+    Buffer(db, 1, buffer).seed()
+    node = rollout_actor(num_cpus=1).remote(
+        db_url,
+        1,
+        NodeConfig(
+            name="rollout-0",
+            model_dir=str(tiny_dir),
+            concurrency=2,
+            heartbeat_interval_s=0.5,
+            limits=Limits(max_tokens_per_turn=12, max_tokens=512),
+        ),
+        buffer,
+    )
+    report = ray_local.get(node.run.remote(max_episodes=6), timeout=300)
+    assert report["episodes_committed"] == 6 and report["samples_committed"] == 12
+    assert report["tokens_generated"] > 0 and report["turns"] >= 12
+
+    done = dict(
+        rows(engine, "SELECT task_id, count(*) FROM episodes WHERE status = 'done' GROUP BY 1")
+    )
+    assert set(done) == {ids["echo"], ids["calc"]} and sum(done.values()) == 6
+    trajs = rows(
+        engine,
+        "SELECT task_id, num_tokens, prompt_tokens, num_turns, turn_versions, reward, reward_info "
+        "FROM trajectories WHERE status = 'ready'",
+    )
+    assert len(trajs) == 12
+    for task_id, n, prompt_n, turns, versions, reward, info in trajs:
+        assert n > prompt_n > 0 and turns >= 1 and versions == [0] * turns
+        assert reward is not None and info["turns"] == turns
+        if task_id == ids["calc"]:
+            assert turns <= 2
+    w = rows(engine, "SELECT status::text, tokens_generated, pid FROM workers")
+    assert w[0][0] == "alive" and w[0][1] > 0 and w[0][2] != os.getpid()
+    assert scalar(engine, "SELECT count(*) FROM episodes WHERE status = 'leased'") == 0
+
+
+def test_node_abandons_an_episode_whose_lease_moved_on(
+    tiny_dir: Path, db: Database, db_url: str, engine: sa.Engine
+) -> None:
+    """In-process (no Ray): the node's lease is requeued while it works; its writes are
+    rejected, it abandons the episode, and the next claimer resumes it."""
+    add_tasks(db, {"name": "echo", "group_size": 1, "max_staleness": 0})
+    buffer = BufferConfig(batch_groups=1)
+    from orchestrator.buffer.service import Buffer
+
+    buf = Buffer(db, 1, buffer)
+    buf.seed()
+    node = RolloutNode(
+        db_url,
+        1,
+        NodeConfig(name="r0", model_dir=str(tiny_dir), concurrency=1, heartbeat_interval_s=60),
+        buffer,
+    )
+    claim = node.buffer.claim(node.worker.id)
+    assert claim is not None
+    buf.requeue_worker(node.worker.id)  # declared dead while it holds the lease
+    from workers.rollout.tools import ToolRunner
+
+    with ToolRunner() as runner:
+        node._episode(claim, runner)
+    assert node.stats.episodes_abandoned == 1 and node.stats.samples_committed == 0
+    assert (
+        scalar(engine, "SELECT status::text FROM episodes WHERE id = :e", e=claim.lease.episode_id)
+        == "queued"
+    )
+    assert scalar(engine, "SELECT fenced_rejections FROM tasks") >= 1
+    node.stop()

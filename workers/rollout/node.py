@@ -1,0 +1,243 @@
+"""A rollout node: one inference engine and N concurrent agent loops, fed by the buffer.
+
+``RolloutNode`` is a plain class; ``ray.remote(RolloutNode)`` makes it the Ray actor that
+rollcall runs (``rollout_actor``). Its state is disposable: a restarted node registers a new
+worker incarnation and gets its work from the database, where requeued episodes carry their
+checkpoints. What it guarantees:
+
+- every episode it claims ends in a commit of each sample, or is released (its failure is
+  counted; after ``max_attempts`` the buffer quarantines it), or is abandoned because its lease
+  moved on (the buffer rejected the write; the new holder continues from the checkpoint);
+- each trajectory is checkpointed through the buffer after every turn, fenced by the lease;
+- a heartbeat thread renews the node's leases and reports tokens generated (progress);
+- new weights are loaded between engine calls (``load_weights``), so in-flight trajectories
+  continue under the new version and record it per turn.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from orchestrator.buffer.service import Buffer
+from orchestrator.buffer.types import ClaimedEpisode, Lease
+from orchestrator.config import BufferConfig
+from orchestrator.db.engine import open_database
+from orchestrator.errors import StaleLeaseError
+from tasks import registry
+from workers.rollout.agent import AgentLoop, Limits, Trajectory
+from workers.rollout.engines.batching import BatchingEngine
+from workers.rollout.engines.hf import HFEngine
+from workers.rollout.tools import ToolRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    name: str
+    model_dir: str
+    concurrency: int = 4
+    device: str = "cpu"
+    heartbeat_interval_s: float = 2.0
+    idle_sleep_s: float = 0.2
+    tool_timeout_s: float = 5.0
+    limits: Limits = field(default_factory=Limits)
+    seed: int = 0
+
+
+class LeaseLost(Exception):
+    """The node's lease on the episode moved on; its work is abandoned, not committed."""
+
+
+@dataclass
+class NodeStats:
+    episodes_committed: int = 0
+    samples_committed: int = 0
+    samples_resumed: int = 0
+    episodes_released: int = 0
+    episodes_abandoned: int = 0
+    turns: int = 0
+
+
+class RolloutNode:
+    def __init__(
+        self, database_url: str, job_id: int, config: NodeConfig, buffer: BufferConfig | None = None
+    ) -> None:
+        self.config = config
+        self.db = open_database(database_url, pool_size=config.concurrency + 2)
+        self.buffer = Buffer(self.db, job_id, buffer or BufferConfig())
+        self.worker = self.buffer.register_worker(
+            config.name, host=socket.gethostname(), pid=os.getpid(), node_id=_ray_node_id()
+        )
+        self.hf = HFEngine(config.model_dir, device=config.device, seed=config.seed)
+        self.engine = BatchingEngine(self.hf, max_batch=max(1, config.concurrency))
+        self.tokenizer = self.hf.tokenizer
+        self.stats = NodeStats()
+        self._lock = threading.Lock()
+        self._lost: set[tuple[int, int]] = set()
+        self._active: set[tuple[int, int]] = set()
+        self._stop = threading.Event()
+        self._reported_tokens = 0
+        self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    # -- remote API ---------------------------------------------------------------------------
+
+    def worker_id(self) -> int:
+        return self.worker.id
+
+    def run(
+        self, max_episodes: int | None = None, until_idle_s: float | None = None
+    ) -> dict[str, Any]:
+        """Run the agent loops until ``max_episodes`` episodes were handled, the buffer had no
+        work for ``until_idle_s`` seconds, or ``stop()``."""
+        budget = threading.Semaphore(max_episodes) if max_episodes is not None else None
+        loops = [
+            threading.Thread(target=self._loop, args=(budget, until_idle_s), name=f"agent-{i}")
+            for i in range(self.config.concurrency)
+        ]
+        for t in loops:
+            t.start()
+        for t in loops:
+            t.join()
+        self._beat_once()
+        return self.report()
+
+    def load_weights(self, version: int, location: str) -> int:
+        self.engine.load_weights(version, location)
+        return version
+
+    def report(self) -> dict[str, Any]:
+        h = self.hf.health()
+        return {
+            "worker_id": self.worker.id,
+            **asdict(self.stats),
+            "version": h.version,
+            "tokens_generated": h.tokens_generated,
+            "engine_batches": self.engine.batches,
+            "engine_batched_requests": self.engine.batched_requests,
+        }
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _loop(self, budget: threading.Semaphore | None, until_idle_s: float | None) -> None:
+        runner = ToolRunner(timeout_s=self.config.tool_timeout_s)
+        idle_since = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                if budget is not None and not budget.acquire(blocking=False):
+                    return
+                claim = self.buffer.claim(self.worker.id)
+                if claim is None:
+                    if budget is not None:
+                        budget.release()
+                    if until_idle_s is not None and time.monotonic() - idle_since > until_idle_s:
+                        return
+                    time.sleep(self.config.idle_sleep_s)
+                    continue
+                idle_since = time.monotonic()
+                self._episode(claim, runner)
+        finally:
+            runner.close()
+
+    def _episode(self, claim: ClaimedEpisode, runner: ToolRunner) -> None:
+        lease = claim.lease
+        key = (lease.episode_id, lease.epoch)
+        with self._lock:
+            self._active.add(key)
+        try:
+            plugin = registry.get(claim.plugin)
+            spec = plugin.Spec.model_validate(claim.spec)
+            limits = Limits(
+                max_turns=spec.max_turns,
+                max_tokens_per_turn=self.config.limits.max_tokens_per_turn,
+                max_tokens=self.config.limits.max_tokens,
+                temperature=self.config.limits.temperature,
+            )
+            for sample in claim.samples:
+                if sample.status == "ready":
+                    continue
+                if sample.checkpoint is not None:
+                    with self._lock:
+                        self.stats.samples_resumed += 1
+                loop = AgentLoop(
+                    self.engine, self.tokenizer, plugin, spec, claim.prompt, runner, limits
+                )
+                outcome = loop.run(
+                    resume=sample.checkpoint,
+                    on_turn=functools.partial(self._checkpoint, lease, sample.sample_index),
+                )
+                t = outcome.trajectory
+                info = {"turns": outcome.turns, "stop_reason": t.stop_reason, "answer": t.answer}
+                self.buffer.commit(lease, sample.sample_index, t.payload(), outcome.reward, info)
+                with self._lock:
+                    self.stats.samples_committed += 1
+            with self._lock:
+                self.stats.episodes_committed += 1
+        except (LeaseLost, StaleLeaseError):
+            with self._lock:
+                self.stats.episodes_abandoned += 1
+        except Exception as e:  # a failure of this episode's rollout: give it back, counted
+            log.exception("episode %s failed", lease.episode_id)
+            try:
+                self.buffer.release(lease, f"{type(e).__name__}: {e}")
+                with self._lock:
+                    self.stats.episodes_released += 1
+            except StaleLeaseError:
+                with self._lock:
+                    self.stats.episodes_abandoned += 1
+        finally:
+            with self._lock:
+                self._active.discard(key)
+                self._lost.discard(key)
+
+    def _checkpoint(self, lease: Lease, sample_index: int, t: Trajectory) -> None:
+        with self._lock:
+            self.stats.turns += 1
+            lost = (lease.episode_id, lease.epoch) in self._lost
+        if lost:
+            raise LeaseLost(lease.episode_id)
+        if not t.finished:  # the final state goes in with the commit
+            self.buffer.checkpoint(lease, sample_index, t.payload())
+
+    def _beat_once(self) -> None:
+        tokens = self.hf.health().tokens_generated
+        held = set(self.buffer.heartbeat(self.worker.id, tokens - self._reported_tokens))
+        self._reported_tokens = tokens
+        with self._lock:
+            self._lost |= {k for k in self._active if k not in held}
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            try:
+                self._beat_once()
+            except Exception:  # a missed beat is survivable; the lease budget covers it
+                log.exception("heartbeat failed")
+
+
+def _ray_node_id() -> str | None:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.get_runtime_context().get_node_id())
+    except Exception:
+        return None
+    return None
+
+
+def rollout_actor(num_cpus: float = 1.0) -> Any:
+    """The Ray actor class for rollout nodes (restartable: state is rebuilt from the DB)."""
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, max_restarts=-1, max_task_retries=0)(RolloutNode)
