@@ -73,7 +73,7 @@ def test_plugins(cli: Any) -> None:
     r = cli("task", "plugins", "--json")
     assert r.code == 0
     rows = json.loads(r.out)
-    assert [p["name"] for p in rows] == ["echo"]
+    assert [p["name"] for p in rows] == ["calculator", "echo", "guess", "retrieval"]
     assert "group_size" in rows[0]["spec_schema"]["properties"]
     r = cli("task", "plugins")
     assert r.code == 0 and "echo" in r.out and "builtin" in r.out
