@@ -20,7 +20,7 @@ from tasks.safe_eval import CalcError, evaluate, format_number
 FORMAT_REWARD = 0.1
 NAMES = ("Ada", "Bo", "Cyra", "Dev", "Emil", "Faye", "Goro", "Hana")
 
-# Each template: (statement with {placeholders}, answer function, number sampler).
+# Each template: (statement with {placeholders}, the expression that solves it, number sampler).
 Sampler = Callable[[random.Random], dict[str, int]]
 
 
@@ -54,35 +54,35 @@ def _savings(r: random.Random) -> dict[str, int]:
     return {"a": a, "b": b, "c": r.randint(5, a * b // 2), "d": r.randint(2, 6)}
 
 
-TEMPLATES: tuple[tuple[str, Callable[[dict[str, int]], int | float], Sampler], ...] = (
+TEMPLATES: tuple[tuple[str, str, Sampler], ...] = (
     (
         "A warehouse holds {a} boxes with {b} items in each box. Then {c} items are shipped out. "
         "How many items are left in the warehouse?",
-        lambda v: v["a"] * v["b"] - v["c"],
+        "{a} * {b} - {c}",
         _stock,
     ),
     (
         "{name} buys {a} packs of {b} pencils and gives {c} pencils to each of {d} friends. How "
         "many pencils does {name} have left?",
-        lambda v: v["a"] * v["b"] - v["c"] * v["d"],
+        "{a} * {b} - {c} * {d}",
         _pencils,
     ),
     (
         "A train runs at {a} km per hour for {b} hours, then at {c} km per hour for {d} hours. "
         "How many kilometres does it travel in total?",
-        lambda v: v["a"] * v["b"] + v["c"] * v["d"],
+        "{a} * {b} + {c} * {d}",
         _train,
     ),
     (
         "A tank of {a} litres is poured equally into {b} bottles, and then {c} litres are added "
         "to each bottle. How many litres does one bottle hold now?",
-        lambda v: v["a"] // v["b"] + v["c"],
+        "{a} // {b} + {c}",
         _tank,
     ),
     (
         "{name} saves {a} coins every week for {b} weeks, spends {c} coins, and splits the rest "
         "equally among {d} jars, keeping any remainder out. How many coins go into each jar?",
-        lambda v: (v["a"] * v["b"] - v["c"]) // v["d"],
+        "({a} * {b} - {c}) // {d}",
         _savings,
     ),
 )
@@ -104,7 +104,7 @@ class CalculatorTask(BaseTask):
         for attempt in range(1000):
             r = random.Random(f"calculator:{stream}:{spec.seed}:{index}:{attempt}")
             t = r.randrange(len(TEMPLATES))
-            template, answer, sampler = TEMPLATES[t]
+            template, expression, sampler = TEMPLATES[t]
             values = sampler(r)
             key = f"{t}:" + ",".join(f"{k}={values[k]}" for k in sorted(values))
             if held_out(key) != want_eval:
@@ -113,7 +113,8 @@ class CalculatorTask(BaseTask):
             return {
                 "index": index,
                 "question": template.format(name=name, **values),
-                "answer": format_number(answer(values)),
+                "expression": expression.format(**values),
+                "answer": format_number(evaluate(expression.format(**values))),
                 "key": key,
             }
         raise RuntimeError("no problem found for this index")  # pragma: no cover

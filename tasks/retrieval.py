@@ -133,6 +133,8 @@ class RetrievalTask(BaseTask):
                 "index": index,
                 "question": _QUESTIONS[kind].format(s=subject),
                 "answer": answer,
+                "kind": kind,
+                "subject": subject,
                 "hops": 2 if kind == "capital_export" else 1,
             }
         raise RuntimeError("no question found for this index")  # pragma: no cover

@@ -16,7 +16,9 @@ import typer
 from orchestrator import __version__
 from orchestrator.cli import db as db_cmd
 from orchestrator.cli import job as job_cmd
+from orchestrator.cli import model as model_cmd
 from orchestrator.cli import quickstart as quickstart_cmd
+from orchestrator.cli import rollout as rollout_cmd
 from orchestrator.cli import task as task_cmd
 from orchestrator.cli.common import GlobalOptions
 
@@ -30,6 +32,8 @@ app = typer.Typer(
 app.add_typer(db_cmd.app, name="db")
 app.add_typer(job_cmd.app, name="job")
 app.add_typer(task_cmd.app, name="task")
+app.add_typer(model_cmd.app, name="model")
+app.add_typer(rollout_cmd.app, name="rollout")
 app.command("quickstart")(quickstart_cmd.quickstart)
 
 

@@ -86,15 +86,15 @@ def test_format_number() -> None:
 
 def test_calculator_templates_hand_derived() -> None:
     # Warehouse: 12 boxes x 6 items - 10 shipped = 62.
-    assert TEMPLATES[0][1]({"a": 12, "b": 6, "c": 10}) == 62
+    assert evaluate(TEMPLATES[0][1].format(a=12, b=6, c=10)) == 62
     # Pencils: 5 packs x 6 - 3 to each of 2 friends = 24.
-    assert TEMPLATES[1][1]({"a": 5, "b": 6, "c": 3, "d": 2}) == 24
+    assert evaluate(TEMPLATES[1][1].format(a=5, b=6, c=3, d=2)) == 24
     # Train: 40 x 2 + 50 x 3 = 230.
-    assert TEMPLATES[2][1]({"a": 40, "b": 2, "c": 50, "d": 3}) == 230
+    assert evaluate(TEMPLATES[2][1].format(a=40, b=2, c=50, d=3)) == 230
     # Tank: 120 / 4 + 5 = 35.
-    assert TEMPLATES[3][1]({"a": 120, "b": 4, "c": 5}) == 35
+    assert evaluate(TEMPLATES[3][1].format(a=120, b=4, c=5)) == 35
     # Savings: (20 x 5 - 10) // 4 = 22.
-    assert TEMPLATES[4][1]({"a": 20, "b": 5, "c": 10, "d": 4}) == 22
+    assert evaluate(TEMPLATES[4][1].format(a=20, b=5, c=10, d=4)) == 22
 
 
 def test_calculator_streams_are_disjoint_and_answers_non_negative() -> None:

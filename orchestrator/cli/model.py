@@ -1,0 +1,85 @@
+"""``rollcall model``: build the tiny local model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from orchestrator.cli.common import console, print_json
+
+app = typer.Typer(help="The tiny local model (built here, no downloads).", no_args_is_help=True)
+
+WARM_TASKS = ("calculator", "guess", "retrieval", "echo")
+
+
+@app.command()
+def init(
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory to save the model and tokenizer in.")
+    ],
+    seed: Annotated[int, typer.Option(help="Seed of the weights and the warm-start data.")] = 0,
+    hidden: Annotated[int, typer.Option(help="Hidden size.")] = 128,
+    layers: Annotated[int, typer.Option(help="Transformer layers.")] = 4,
+    steps: Annotated[int, typer.Option(help="Warm-start SFT steps (0: random weights).")] = 600,
+    eval_episodes: Annotated[
+        int, typer.Option(help="Held-out episodes per task for the starting reward.")
+    ] = 16,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Build a tokenizer and a small Qwen2 model, warm-start it on solved transcripts of the
+    built-in tasks, save it with save_pretrained, and print its starting reward per task."""
+    import time
+
+    from orchestrator.errors import UserError
+
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out} is not empty; choose a new directory")
+    from workers.tiny_model import build_model, build_tokenizer
+    from workers.warmstart import build_dataset, evaluate_rewards, sft
+
+    say = console()
+    t0 = time.monotonic()
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, hidden=hidden, layers=layers, seed=seed)
+    params = sum(p.numel() for p in model.parameters())
+    say.print(
+        f"tokenizer: {len(tokenizer)} tokens; model: {params / 1e6:.2f}M parameters", markup=False
+    )
+    loss = None
+    if steps > 0:
+        data = build_dataset(tokenizer, 400, WARM_TASKS, seed)
+        say.print(f"warm start: {steps} SFT steps on {len(data)} solved transcripts", markup=False)
+        loss = sft(
+            model,
+            data,
+            steps=steps,
+            seed=seed,
+            log=lambda s, v: say.print(f"  step {s}: loss {v:.3f}"),
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    model.save_pretrained(out)
+    rewards = (
+        evaluate_rewards(str(out), WARM_TASKS, eval_episodes, seed=seed)
+        if eval_episodes > 0
+        else {}
+    )
+    elapsed = time.monotonic() - t0
+    if json_out:
+        print_json(
+            {
+                "out": str(out),
+                "parameters": params,
+                "sft_loss": loss,
+                "starting_reward": rewards,
+                "seconds": round(elapsed, 1),
+            }
+        )
+        return
+    for task, r in rewards.items():
+        say.print(
+            f"starting reward {task}: {r:.3f} ({eval_episodes} held-out episodes)", markup=False
+        )
+    say.print(f"saved to {out} in {elapsed:.0f} s", markup=False)

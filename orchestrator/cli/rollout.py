@@ -1,0 +1,121 @@
+"""``rollcall rollout``: run episodes without a job, for operators to inspect."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from orchestrator.cli.common import console, print_json
+
+app = typer.Typer(help="Rollouts outside a job.", no_args_is_help=True)
+
+
+def _turns(tokenizer: Any, t: Any) -> list[dict[str, Any]]:
+    """Split a trajectory into turns: generated tokens (trained on), then the observation."""
+    out = []
+    bounds = [*t.turn_offsets, len(t.token_ids)]
+    for k, start in enumerate(t.turn_offsets):
+        end = bounds[k + 1]
+        gen_end = start
+        while gen_end < end and t.loss_mask[gen_end] == 1:
+            gen_end += 1
+        out.append(
+            {
+                "version": t.turn_versions[k],
+                "generated": tokenizer.decode(t.token_ids[start:gen_end]),
+                "generated_tokens": gen_end - start,
+                "observation": tokenizer.decode(t.token_ids[gen_end:end]),
+                "observation_tokens": end - gen_end,
+            }
+        )
+    return out
+
+
+@app.command()
+def preview(
+    task: Annotated[str, typer.Option("--task", help="Registered plugin name.")],
+    model: Annotated[Path, typer.Option("--model", help="Model directory (save_pretrained).")],
+    n: Annotated[int, typer.Option("-n", help="Episodes.")] = 3,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
+    max_tokens_per_turn: Annotated[int, typer.Option(help="Tokens per generated turn.")] = 64,
+    held_out: Annotated[bool, typer.Option("--held-out", help="Use held-out prompts.")] = False,
+    spec: Annotated[
+        Path | None, typer.Option("--spec", help="Task spec YAML.", show_default=False)
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Run N episodes of a task and show each turn, what is trained on, tool calls and rewards."""
+    from orchestrator.config import read_yaml_mapping
+    from orchestrator.errors import UserError
+    from orchestrator.services.tasks import resolve_plugin, validate_spec
+    from tasks import registry
+
+    resolve_plugin(task)
+    if not (model / "config.json").exists():
+        raise UserError(
+            f"--model {model} holds no model (config.json missing); build one with "
+            "`rollcall model init`"
+        )
+    if n < 1:
+        raise UserError("-n must be at least 1")
+    plugin = registry.get(task)
+    spec_data = validate_spec(
+        task, read_yaml_mapping(spec, "spec") if spec else {}, str(spec or "spec")
+    )
+    task_spec = plugin.Spec.model_validate(spec_data)
+
+    from workers.rollout.agent import AgentLoop, Limits
+    from workers.rollout.engines.hf import HFEngine
+    from workers.rollout.tools import ToolRunner
+
+    engine = HFEngine(model)
+    limits = Limits(
+        max_turns=task_spec.max_turns,
+        max_tokens_per_turn=max_tokens_per_turn,
+        temperature=temperature,
+    )
+    episodes: list[dict[str, Any]] = []
+    with ToolRunner() as runner:
+        for i in range(n):
+            prompt = plugin.eval_prompt(task_spec, i) if held_out else plugin.prompt(task_spec, i)
+            outcome = AgentLoop(
+                engine, engine.tokenizer, plugin, task_spec, prompt, runner, limits
+            ).run()
+            t = outcome.trajectory
+            episodes.append(
+                {
+                    "prompt": prompt,
+                    "instructions": plugin.instructions(task_spec, prompt),
+                    "turns": _turns(engine.tokenizer, t),
+                    "answer": t.answer,
+                    "stop_reason": t.stop_reason,
+                    "reward": outcome.reward,
+                    "tokens": len(t.token_ids),
+                    "trained_tokens": sum(t.loss_mask),
+                }
+            )
+    if json_out:
+        print_json(episodes)
+        return
+    out = console()
+    for i, ep in enumerate(episodes):
+        out.rule(f"episode {i}: reward {ep['reward']:.3f} ({ep['stop_reason']})")
+        out.print(ep["instructions"], markup=False, style="dim")
+        for k, turn in enumerate(ep["turns"]):
+            trained = turn["generated_tokens"]
+            out.print(
+                f"[bold]turn {k}[/] (version {turn['version']}, {trained} tokens trained on):"
+            )
+            out.print(turn["generated"], markup=False, style="green")
+            if turn["observation_tokens"]:
+                out.print(
+                    f"  observation ({turn['observation_tokens']} tokens, not trained on):",
+                    style="dim",
+                )
+                out.print(turn["observation"].strip(), markup=False, style="yellow")
+        out.print(
+            f"answer: {ep['answer']!r}; {ep['trained_tokens']}/{ep['tokens']} tokens trained on",
+            markup=False,
+        )

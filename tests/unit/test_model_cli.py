@@ -1,0 +1,89 @@
+"""``rollcall model init`` and ``rollcall rollout preview`` (small sizes, real model)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import make_cli_runner
+
+
+@pytest.fixture
+def run(capsys: pytest.CaptureFixture[str]) -> Any:
+    return make_cli_runner(capsys)
+
+
+def test_model_init_then_preview(run: Any, tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    r = run(
+        "model",
+        "init",
+        "--out",
+        str(out),
+        "--hidden",
+        "32",
+        "--layers",
+        "1",
+        "--steps",
+        "20",
+        "--eval-episodes",
+        "2",
+        "--json",
+    )
+    assert r.code == 0, r.err
+    data = json.loads(r.out[r.out.index("{\n") :])  # progress lines, then the JSON object
+    assert set(data["starting_reward"]) == {"calculator", "guess", "retrieval", "echo"}
+    assert all(0.0 <= v <= 1.0 for v in data["starting_reward"].values())
+    assert data["sft_loss"] < 7.0  # the warm start trained: random init starts near ln(1025) = 6.93
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoTokenizer.from_pretrained(out)
+    AutoModelForCausalLM.from_pretrained(out)  # any transformers user can load it
+
+    r = run(
+        "rollout",
+        "preview",
+        "--task",
+        "calculator",
+        "--model",
+        str(out),
+        "-n",
+        "2",
+        "--json",
+        "--max-tokens-per-turn",
+        "16",
+    )
+    assert r.code == 0, r.err
+    episodes = json.loads(r.out)
+    assert len(episodes) == 2
+    for ep in episodes:
+        assert ep["turns"] and 0.0 <= ep["reward"] <= 1.0
+        assert ep["trained_tokens"] == sum(t["generated_tokens"] for t in ep["turns"])
+        assert ep["tokens"] > ep["trained_tokens"]
+    r = run(
+        "rollout",
+        "preview",
+        "--task",
+        "guess",
+        "--model",
+        str(out),
+        "-n",
+        "1",
+        "--max-tokens-per-turn",
+        "8",
+    )
+    assert r.code == 0 and "episode 0: reward" in r.out and "tokens trained on" in r.out
+
+
+def test_model_and_preview_refuse_bad_input(run: Any, tmp_path: Path) -> None:
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    r = run("model", "init", "--out", str(tmp_path / "full"))
+    assert r.code != 0 and "is not empty" in r.err
+    r = run("rollout", "preview", "--task", "nope", "--model", str(tmp_path))
+    assert r.code != 0 and "unknown task plugin 'nope'" in r.err
+    r = run("rollout", "preview", "--task", "echo", "--model", str(tmp_path))
+    assert r.code != 0 and "holds no model" in r.err
