@@ -20,9 +20,9 @@ def init(
         Path, typer.Option("--out", help="Directory to save the model and tokenizer in.")
     ],
     seed: Annotated[int, typer.Option(help="Seed of the weights and the warm-start data.")] = 0,
-    hidden: Annotated[int, typer.Option(help="Hidden size.")] = 128,
-    layers: Annotated[int, typer.Option(help="Transformer layers.")] = 4,
-    steps: Annotated[int, typer.Option(help="Warm-start SFT steps (0: random weights).")] = 600,
+    hidden: Annotated[int, typer.Option(help="Hidden size.")] = 96,
+    layers: Annotated[int, typer.Option(help="Transformer layers.")] = 3,
+    steps: Annotated[int, typer.Option(help="Warm-start SFT steps (0: random weights).")] = 400,
     eval_episodes: Annotated[
         int, typer.Option(help="Held-out episodes per task for the starting reward.")
     ] = 16,
