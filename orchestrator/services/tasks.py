@@ -205,6 +205,7 @@ def set_quota(
 
 def retire_task(tx: Tx, *, job_name: str, name: str, confirmed: bool, actor: str) -> TaskView:
     check_retire_confirmed(name, confirmed)
+    tx.tasks.lock_registry(require_job(tx, job_name).id)
     task = require_task(tx, job_name, name, for_update=True)
     if task.status == TaskStatus.RETIRED:
         raise ConflictError(f"task {name!r} is already retired")

@@ -45,6 +45,9 @@ def task_view(task: Task, job_name: str) -> TaskView:
     )
 
 
+_REGISTRY_LOCK_NS = 0x54534B53  # "TSKS": advisory lock namespace of the task registry
+
+
 class TaskRepository:
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -63,6 +66,7 @@ class TaskRepository:
         max_inflight: int,
         max_staleness: int,
     ) -> TaskView:
+        self.lock_registry(job_id)
         task = Task(
             job_id=job_id,
             name=name,
@@ -87,6 +91,19 @@ class TaskRepository:
         job_name = self.session.scalar(select(Job.name).where(Job.id == job_id))
         assert job_name is not None
         return task_view(task, job_name)
+
+    def lock_registry(self, job_id: int) -> None:
+        """Serialise registrations and retirements of one job (until the transaction ends).
+
+        Creating or detaching a partition takes SHARE ROW EXCLUSIVE on ``tasks`` (the partition
+        clones its foreign keys). Two registrations of one name would otherwise deadlock: each
+        waits on the other's row for the unique name while holding the lock the other's DDL
+        needs. Under this lock the second one sees the first's committed row and gets a clean
+        "already exists"."""
+        self.session.execute(
+            text("SELECT pg_advisory_xact_lock(:ns, :job)"),
+            {"ns": _REGISTRY_LOCK_NS, "job": job_id},
+        )
 
     def get_by_name(self, job_id: int, name: str, *, for_update: bool = False) -> TaskView | None:
         q = (
