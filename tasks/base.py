@@ -20,6 +20,7 @@ provides:
 from __future__ import annotations
 
 import hashlib
+import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -122,6 +123,36 @@ class BaseTask:
     ) -> Observation:
         known = ", ".join(t.name for t in self.tools(spec)) or "none"
         raise ToolError(f"unknown tool {name!r}; available tools: {known}")
+
+
+class SplitTask(BaseTask):
+    """Training and held-out prompt streams from one generator, split by a canonical key.
+
+    A subclass implements ``draw(spec, rng) -> (key, prompt)``. The ``index``-th prompt of a
+    stream is the first draw (from an RNG seeded by task, stream, seed, index and attempt)
+    whose key falls in that stream's split, so the streams are deterministic and never share a
+    problem."""
+
+    name: ClassVar[str]
+    held_out_per_mille: ClassVar[int] = 100
+
+    def draw(self, spec: TaskSpec, rng: random.Random) -> tuple[str, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _split(self, spec: TaskSpec, index: int, want_eval: bool) -> dict[str, Any]:
+        stream = "eval" if want_eval else "train"
+        for attempt in range(10_000):
+            rng = random.Random(f"{self.name}:{stream}:{spec.seed}:{index}:{attempt}")
+            key, prompt = self.draw(spec, rng)
+            if held_out(key, self.held_out_per_mille) == want_eval:
+                return {"index": index, **prompt}
+        raise RuntimeError(f"no {stream} prompt found for index {index}")  # pragma: no cover
+
+    def prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
+        return self._split(spec, index, want_eval=False)
+
+    def eval_prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
+        return self._split(spec, index, want_eval=True)
 
 
 def held_out(key: str, eval_fraction_per_mille: int = 100) -> bool:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from tasks.base import BaseTask, Observation, TaskSpec, Tool, ToolError, held_out, require_args
+from tasks.base import Observation, SplitTask, TaskSpec, Tool, ToolError, require_args
 from tasks.safe_eval import CalcError, evaluate, format_number
 
 FORMAT_REWARD = 0.1
@@ -94,36 +94,24 @@ class CalculatorSpec(TaskSpec):
     max_turns: int = Field(default=6, ge=1, le=64)
 
 
-class CalculatorTask(BaseTask):
+class CalculatorTask(SplitTask):
     name: ClassVar[str] = "calculator"
     description: ClassVar[str] = "Multi-step arithmetic word problems with a calc tool."
     Spec: ClassVar[type[TaskSpec]] = CalculatorSpec
 
-    def _problem(self, spec: TaskSpec, index: int, want_eval: bool) -> dict[str, Any]:
-        stream = "eval" if want_eval else "train"
-        for attempt in range(1000):
-            r = random.Random(f"calculator:{stream}:{spec.seed}:{index}:{attempt}")
-            t = r.randrange(len(TEMPLATES))
-            template, expression, sampler = TEMPLATES[t]
-            values = sampler(r)
-            key = f"{t}:" + ",".join(f"{k}={values[k]}" for k in sorted(values))
-            if held_out(key) != want_eval:
-                continue
-            name = r.choice(NAMES)
-            return {
-                "index": index,
-                "question": template.format(name=name, **values),
-                "expression": expression.format(**values),
-                "answer": format_number(evaluate(expression.format(**values))),
-                "key": key,
-            }
-        raise RuntimeError("no problem found for this index")  # pragma: no cover
-
-    def prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
-        return self._problem(spec, index, want_eval=False)
-
-    def eval_prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
-        return self._problem(spec, index, want_eval=True)
+    def draw(self, spec: TaskSpec, rng: random.Random) -> tuple[str, dict[str, Any]]:
+        t = rng.randrange(len(TEMPLATES))
+        template, expression, sampler = TEMPLATES[t]
+        values = sampler(rng)
+        key = f"{t}:" + ",".join(f"{k}={values[k]}" for k in sorted(values))
+        expr = expression.format(**values)
+        question = template.format(name=rng.choice(NAMES), **values)
+        return key, {
+            "question": question,
+            "expression": expr,
+            "answer": format_number(evaluate(expr)),
+            "key": key,
+        }
 
     def instructions(self, spec: TaskSpec, prompt: dict[str, Any]) -> str:
         return (

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from tasks.base import BaseTask, Observation, TaskSpec, Tool, ToolError, held_out, require_args
+from tasks.base import Observation, SplitTask, TaskSpec, Tool, ToolError, require_args
 
 
 class GuessSpec(TaskSpec):
@@ -28,31 +28,20 @@ class GuessSpec(TaskSpec):
         return self
 
 
-class GuessTask(BaseTask):
+class GuessTask(SplitTask):
     name: ClassVar[str] = "guess"
     description: ClassVar[str] = (
         "Find a secret number with higher/lower feedback (multi-turn game)."
     )
     Spec: ClassVar[type[TaskSpec]] = GuessSpec
 
-    def _game(self, spec: TaskSpec, index: int, want_eval: bool) -> dict[str, Any]:
+    def draw(self, spec: TaskSpec, rng: random.Random) -> tuple[str, dict[str, Any]]:
         assert isinstance(spec, GuessSpec)
-        stream = "eval" if want_eval else "train"
-        for attempt in range(10_000):
-            r = random.Random(f"guess:{stream}:{spec.seed}:{index}:{attempt}")
-            secret = r.randint(spec.low, spec.high)
-            # Few distinct secrets exist, so splits are by (secret, game id): a held-out game
-            # may share its secret with a training game but never its identity.
-            key = f"{secret}:{index}:{attempt}:{stream}"
-            if held_out(key) == want_eval:
-                return {"index": index, "secret": secret}
-        raise RuntimeError("no game found for this index")  # pragma: no cover
-
-    def prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
-        return self._game(spec, index, want_eval=False)
-
-    def eval_prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
-        return self._game(spec, index, want_eval=True)
+        secret = rng.randint(spec.low, spec.high)
+        # Few distinct secrets exist, so the split is by game: a held-out game may share its
+        # secret with a training game but never its identity.
+        game = rng.getrandbits(64)
+        return f"{secret}:{game}", {"secret": secret, "game": game}
 
     def instructions(self, spec: TaskSpec, prompt: dict[str, Any]) -> str:
         assert isinstance(spec, GuessSpec)

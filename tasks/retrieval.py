@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from tasks.base import BaseTask, Observation, TaskSpec, Tool, ToolError, held_out, require_args
+from tasks.base import Observation, SplitTask, TaskSpec, Tool, ToolError, require_args
 
 SEARCH_RESULTS = 5
 _SYLLABLES = (
@@ -110,7 +110,9 @@ class RetrievalSpec(TaskSpec):
     max_turns: int = Field(default=10, ge=1, le=128)
 
 
-class RetrievalTask(BaseTask):
+class RetrievalTask(SplitTask):
+    held_out_per_mille: ClassVar[int] = 150
+
     name: ClassVar[str] = "retrieval"
     description: ClassVar[str] = (
         "Questions about a generated encyclopedia, with search and open tools."
@@ -121,29 +123,15 @@ class RetrievalTask(BaseTask):
         assert isinstance(spec, RetrievalSpec)
         return build_corpus(spec.corpus_seed, spec.countries, spec.cities_per_country)
 
-    def _question(self, spec: TaskSpec, index: int, want_eval: bool) -> dict[str, Any]:
-        facts = self.corpus(spec).facts
-        stream = "eval" if want_eval else "train"
-        for attempt in range(10_000):
-            r = random.Random(f"retrieval:{stream}:{spec.seed}:{index}:{attempt}")
-            kind, subject, answer = r.choice(facts)
-            if held_out(f"{kind}:{subject}", 150) != want_eval:
-                continue
-            return {
-                "index": index,
-                "question": _QUESTIONS[kind].format(s=subject),
-                "answer": answer,
-                "kind": kind,
-                "subject": subject,
-                "hops": 2 if kind == "capital_export" else 1,
-            }
-        raise RuntimeError("no question found for this index")  # pragma: no cover
-
-    def prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
-        return self._question(spec, index, want_eval=False)
-
-    def eval_prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
-        return self._question(spec, index, want_eval=True)
+    def draw(self, spec: TaskSpec, rng: random.Random) -> tuple[str, dict[str, Any]]:
+        kind, subject, answer = rng.choice(self.corpus(spec).facts)
+        return f"{kind}:{subject}", {
+            "question": _QUESTIONS[kind].format(s=subject),
+            "answer": answer,
+            "kind": kind,
+            "subject": subject,
+            "hops": 2 if kind == "capital_export" else 1,
+        }
 
     def instructions(self, spec: TaskSpec, prompt: dict[str, Any]) -> str:
         return (
