@@ -169,7 +169,12 @@ def claimer_proc(
 ) -> None:
     lat: list[float] = []
     lock = threading.Lock()
-    barrier = threading.Barrier(threads, action=lambda: (ready.release(), go.wait()))
+
+    def all_ready() -> None:  # the last thread to arrive reports readiness, then waits for go
+        ready.release()
+        go.wait()
+
+    barrier = threading.Barrier(threads, action=all_ready)
 
     def run(t: int) -> None:
         db = open_database(url, pool_size=1)
@@ -198,9 +203,9 @@ def claimer_proc(
 
 
 def claim_phase(
-    url: str, claimers: int, claims: int, think_ms: float, procs: int = 8
+    url: str, claimers: int, claims: int, think_ms: float, processes: int = 8
 ) -> dict[str, float]:
-    procs_n = min(procs, claimers)
+    procs_n = min(processes, claimers)
     threads = claimers // procs_n
     ctx = mp.get_context("spawn")
     q, ready, go = ctx.Queue(), ctx.Semaphore(0), ctx.Event()
@@ -301,9 +306,13 @@ def main() -> None:
         trainer = trainer_phase(
             url, args.batch_groups, steps=max(1, min(5, groups_done // args.batch_groups))
         )
-        claims = claim_phase(url, args.claimers, args.claims_per_claimer, args.think_ms, procs=1)
-        spread = claim_phase(url, args.claimers, args.claims_per_claimer, args.think_ms, procs=8)
-        saturated = claim_phase(url, args.claimers, args.claims_per_claimer, 0.0, procs=1)
+        claims = claim_phase(
+            url, args.claimers, args.claims_per_claimer, args.think_ms, processes=1
+        )
+        spread = claim_phase(
+            url, args.claimers, args.claims_per_claimer, args.think_ms, processes=8
+        )
+        saturated = claim_phase(url, args.claimers, args.claims_per_claimer, 0.0, processes=1)
     finally:
         server.stop()
         shutil.rmtree(home, ignore_errors=True)

@@ -1,0 +1,109 @@
+"""Benchmark of rollout generation: ``hf`` engine tokens/s with 1, 4 and 16 concurrent agent
+loops on one node (loops share the engine through dynamic batching).
+
+The model is the tiny local one (built into a temporary folder unless ``--model`` is given);
+agent loops play the ``guess`` task for ``--turns`` turns of ``--tokens-per-turn`` tokens each.
+Per-turn latency with KV reuse vs re-prefill is not measured: the ``hf`` engine re-prefills
+every turn (KV reuse across turns is not implemented yet).
+
+Usage: python ops/bench/rollout.py [--model DIR] [--loops 1 4 16] [--turns 6]
+Prints a table, then (last line) one JSON object with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tasks.guess import GuessSpec, GuessTask
+from workers.rollout.agent import AgentLoop, Limits
+from workers.rollout.engines.batching import BatchingEngine
+from workers.rollout.engines.hf import HFEngine
+from workers.rollout.tools import ToolRunner
+
+
+def run_loops(hf: HFEngine, loops: int, turns: int, tokens_per_turn: int) -> dict[str, float]:
+    engine = BatchingEngine(hf, max_batch=max(1, loops))
+    task, spec = GuessTask(), GuessSpec(max_turns=turns, max_guesses=64)
+    limits = Limits(max_turns=turns, max_tokens_per_turn=tokens_per_turn, max_tokens=100_000)
+    generated = [0] * loops
+
+    def one(i: int) -> None:
+        with ToolRunner() as runner:
+            out = AgentLoop(
+                engine, hf.tokenizer, task, spec, task.prompt(spec, i), runner, limits
+            ).run()
+            generated[i] = sum(out.trajectory.loss_mask)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(loops)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    batches, reqs = engine.batches, engine.batched_requests
+    engine.close()
+    return {
+        "loops": loops,
+        "tokens": sum(generated),
+        "wall_s": wall,
+        "tokens_per_s": sum(generated) / wall,
+        "mean_batch": reqs / max(1, batches),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--loops", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--tokens-per-turn", type=int, default=48)
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="rc-bench-model-") as tmp:
+        model = args.model
+        if model is None:
+            from workers.tiny_model import build_tiny
+
+            model = build_tiny(Path(tmp) / "tiny")
+        hf = HFEngine(model)
+        params = sum(p.numel() for p in hf.model.parameters())
+        run_loops(hf, 1, 1, 8)  # warm-up
+        results = [run_loops(hf, n, args.turns, args.tokens_per_turn) for n in args.loops]
+    print(
+        f"# rollout benchmark: hf engine on CPU, {params / 1e6:.2f}M-parameter model, "
+        f"{args.turns} turns"
+    )
+    print(f"{'loops':>5}  {'tokens/s':>9}  {'mean batch':>10}  {'tokens':>7}  {'wall s':>7}")
+    for r in results:
+        print(
+            f"{r['loops']:>5}  {r['tokens_per_s']:>9.0f}  {r['mean_batch']:>10.1f}  "
+            f"{r['tokens']:>7}  {r['wall_s']:>7.2f}"
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "rollout",
+                "parameters": params,
+                "turns": args.turns,
+                "tokens_per_turn": args.tokens_per_turn,
+                "tokens_per_s": {str(r["loops"]): round(r["tokens_per_s"], 1) for r in results},
+                "mean_batch": {str(r["loops"]): round(r["mean_batch"], 2) for r in results},
+                "kv_reuse": None,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
