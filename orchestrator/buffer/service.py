@@ -229,7 +229,7 @@ class Buffer:
     def release(self, lease: Lease, error: str) -> SweepResult:
         """The worker gives the episode up (e.g. its engine failed): requeue or quarantine."""
         with self.db.transaction() as tx:
-            row = tx.episodes.lock_lease(lease.episode_id, lease.epoch, exclusive=True)
+            row = tx.episodes.lock_lease(lease.episode_id, lease.epoch)
             if row is None:
                 raise StaleLeaseError(lease.episode_id, lease.epoch, "lease is no longer held")
             return self._requeue(tx, [row], f"released by worker: {error}")
@@ -267,7 +267,7 @@ class Buffer:
     ) -> CommitResult:
         """Several samples of one group in one transaction, fenced by the episode lock."""
         with self.db.transaction() as tx:
-            row = tx.episodes.lock_lease(lease.episode_id, lease.epoch, exclusive=True)
+            row = tx.episodes.lock_lease(lease.episode_id, lease.epoch)
             if row is not None:
                 written = tx.trajectories.upsert(
                     task_id=row.task_id,

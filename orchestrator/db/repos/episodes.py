@@ -242,17 +242,15 @@ class EpisodeRepository:
         )
         return [(r.id, r.lease_epoch) for r in rows]
 
-    def lock_lease(self, episode_id: int, epoch: int, *, exclusive: bool) -> Any | None:
-        """The episode row if the lease (id, epoch) is still current, locked; else None.
-
-        ``FOR SHARE`` lets a group's samples checkpoint concurrently while blocking a requeue;
-        after waiting for one, the row is re-checked, so a moved-on epoch is always seen."""
-        mode = "UPDATE" if exclusive else "SHARE"
+    def lock_lease(self, episode_id: int, epoch: int) -> Any | None:
+        """The episode row if the lease (id, epoch) is still current, locked ``FOR UPDATE``;
+        else None. After waiting for a concurrent requeue the row is re-checked, so a moved-on
+        epoch is always seen. (One-sample writes fence inside ``rollcall_write_sample``.)"""
         return (
             raw.cursor(self.session)
             .execute(
                 "SELECT id, task_id, group_size, lease_owner, lease_epoch, attempts FROM episodes "
-                f"WHERE id = %(e)s AND lease_epoch = %(ep)s AND status = 'leased' FOR {mode}",
+                "WHERE id = %(e)s AND lease_epoch = %(ep)s AND status = 'leased' FOR UPDATE",
                 {"e": episode_id, "ep": epoch},
             )
             .fetchone()
@@ -361,24 +359,4 @@ class EpisodeRepository:
         self.session.execute(
             text(f"UPDATE tasks SET {counter} = {counter} + :n WHERE id = :t"),
             {"n": by, "t": task_id},
-        )
-
-    # -- inspection ----------------------------------------------------------------------------
-
-    def counts_by_status(self, job_id: int) -> dict[tuple[int, str], int]:
-        rows = self.session.execute(
-            text(
-                "SELECT task_id, status::text, count(*) FROM episodes WHERE job_id = :job "
-                "GROUP BY task_id, status"
-            ),
-            {"job": job_id},
-        ).all()
-        return {(r[0], r[1]): int(r[2]) for r in rows}
-
-    def get_prompt_indexes(self, task_id: int) -> list[int]:
-        return list(
-            self.session.scalars(
-                text("SELECT prompt_index FROM episodes WHERE task_id = :t ORDER BY prompt_index"),
-                {"t": task_id},
-            )
         )

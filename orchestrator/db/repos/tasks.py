@@ -205,14 +205,6 @@ class TaskRepository:
             )
         )
 
-    def partition_exists(self, task_id: int) -> bool:
-        return (
-            self.session.scalar(
-                text("SELECT to_regclass(:name) IS NOT NULL"), {"name": partition_name(task_id)}
-            )
-            or False
-        )
-
     def groups_reserved_by_trainer(self, task_id: int) -> int:
         return (
             self.session.scalar(

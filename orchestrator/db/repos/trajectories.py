@@ -172,12 +172,3 @@ class TrajectoryRepository:
                     t.sample_index, "in_progress", TrajectoryPayload.from_columns(t)
                 )
         return tuple(found.get(i, SampleState(i, "new")) for i in range(group_size))
-
-    def load(self, task_id: int, episode_id: int) -> list[Trajectory]:
-        return list(
-            self.session.scalars(
-                select(Trajectory)
-                .where(Trajectory.task_id == task_id, Trajectory.episode_id == episode_id)
-                .order_by(Trajectory.sample_index)
-            )
-        )
