@@ -82,7 +82,7 @@ def quickstart(
         db.dispose()
     out.print(
         f"Job {cfg.job.name!r} is registered and its control plane is ready. This release has no "
-        "rollout nodes or trainer yet, so nothing trains; inspect the job with "
+        "trainer yet, so the quickstart does not train; inspect the job with "
         f"`rollcall job show {cfg.job.name}` and `rollcall task list --job {cfg.job.name}`.",
         markup=False,
     )
