@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
@@ -67,6 +67,26 @@ class BufferConfig(StrictModel):
     claim_window_s: float = Field(
         default=120.0, gt=0, description="time constant of the recent-claims score (fair share)"
     )
+
+
+class HFEngineConfig(StrictModel):
+    """transformers on CPU or GPU: the default engine."""
+
+    kind: Literal["hf"] = "hf"
+    device: str = "cpu"
+
+
+class VLLMEngineConfig(StrictModel):
+    """vLLM on a CUDA GPU (the ``rollcall[vllm]`` extra)."""
+
+    kind: Literal["vllm"] = "vllm"
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = Field(default=None, ge=16)
+
+
+EngineConfig = Annotated[HFEngineConfig | VLLMEngineConfig, Field(discriminator="kind")]
 
 
 class RollcallConfig(StrictModel):

@@ -40,6 +40,7 @@ class RecordingEngine:
 
     def __init__(self, inner: HFEngine) -> None:
         self.inner = inner
+        self.tokenizer = inner.tokenizer
         self.calls: list[tuple[list[int], Generation]] = []
 
     @property

@@ -88,3 +88,25 @@ def test_database_resolution_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     monkeypatch.setenv("ROLLCALL_DATABASE_URL", "postgresql://env/db")
     assert resolve_database(config_url="postgresql://c/db").url == "postgresql://env/db"
     assert resolve_database("postgresql://x/db", "postgresql://c/db").url == "postgresql://x/db"
+
+
+def test_engine_is_chosen_by_kind_and_vllm_fails_clearly_without_vllm(tmp_path: Path) -> None:
+    from pydantic import TypeAdapter, ValidationError
+
+    from orchestrator.config import EngineConfig, HFEngineConfig, VLLMEngineConfig
+    from workers.rollout.engines.factory import make_engine
+    from workers.rollout.engines.vllm import EngineUnavailable
+
+    adapter: TypeAdapter[EngineConfig] = TypeAdapter(EngineConfig)
+    assert isinstance(adapter.validate_python({"kind": "hf"}), HFEngineConfig)
+    v = adapter.validate_python({"kind": "vllm", "gpu_memory_utilization": 0.5})
+    assert isinstance(v, VLLMEngineConfig) and v.enable_prefix_caching
+    with pytest.raises(ValidationError):
+        adapter.validate_python({"kind": "tgi"})
+    with pytest.raises(ValidationError):
+        adapter.validate_python({"kind": "vllm", "gpu_memory_utilization": 1.5})
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:  # CPU machines: the extra cannot be installed
+        with pytest.raises(EngineUnavailable, match=r"pip install 'rollcall\[vllm\]'"):
+            make_engine(v, tmp_path)

@@ -27,13 +27,13 @@ from typing import Any
 
 from orchestrator.buffer.service import Buffer
 from orchestrator.buffer.types import ClaimedEpisode, Lease
-from orchestrator.config import BufferConfig
+from orchestrator.config import BufferConfig, EngineConfig, HFEngineConfig
 from orchestrator.db.engine import open_database
 from orchestrator.errors import StaleLeaseError
 from tasks import registry
 from workers.rollout.agent import AgentLoop, Limits, Trajectory
 from workers.rollout.engines.batching import BatchingEngine
-from workers.rollout.engines.hf import HFEngine
+from workers.rollout.engines.factory import make_engine
 from workers.rollout.tools import ToolRunner
 
 log = logging.getLogger(__name__)
@@ -44,11 +44,11 @@ class NodeConfig:
     name: str
     model_dir: str
     concurrency: int = 4
-    device: str = "cpu"
     heartbeat_interval_s: float = 2.0
     idle_sleep_s: float = 0.2
     tool_timeout_s: float = 5.0
     limits: Limits = field(default_factory=Limits)
+    engine: EngineConfig = field(default_factory=HFEngineConfig)
     seed: int = 0
 
 
@@ -76,9 +76,9 @@ class RolloutNode:
         self.worker = self.buffer.register_worker(
             config.name, host=socket.gethostname(), pid=os.getpid(), node_id=_ray_node_id()
         )
-        self.hf = HFEngine(config.model_dir, device=config.device, seed=config.seed)
-        self.engine = BatchingEngine(self.hf, max_batch=max(1, config.concurrency))
-        self.tokenizer = self.hf.tokenizer
+        self.base_engine = make_engine(config.engine, config.model_dir, seed=config.seed)
+        self.engine = BatchingEngine(self.base_engine, max_batch=max(1, config.concurrency))
+        self.tokenizer = self.base_engine.tokenizer
         self.stats = NodeStats()
         self._lock = threading.Lock()
         self._lost: set[tuple[int, int]] = set()
@@ -115,7 +115,7 @@ class RolloutNode:
         return version
 
     def report(self) -> dict[str, Any]:
-        h = self.hf.health()
+        h = self.base_engine.health()
         return {
             "worker_id": self.worker.id,
             **asdict(self.stats),
@@ -211,7 +211,7 @@ class RolloutNode:
             self.buffer.checkpoint(lease, sample_index, t.payload())
 
     def _beat_once(self) -> None:
-        tokens = self.hf.health().tokens_generated
+        tokens = self.base_engine.health().tokens_generated
         held = set(self.buffer.heartbeat(self.worker.id, tokens - self._reported_tokens))
         self._reported_tokens = tokens
         with self._lock:

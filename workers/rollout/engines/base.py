@@ -4,7 +4,7 @@ policy version, report health and progress."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ class EngineHealth:
 
 
 class Engine(Protocol):
+    tokenizer: Any  # the model's tokenizer: the agent loop encodes prompt and tool segments
+
     @property
     def version(self) -> int: ...
 

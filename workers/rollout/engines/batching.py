@@ -18,6 +18,7 @@ from workers.rollout.engines.base import Engine, EngineHealth, Generation, Gener
 class BatchingEngine:
     def __init__(self, engine: Engine, max_batch: int = 16) -> None:
         self.engine = engine
+        self.tokenizer = engine.tokenizer
         self.max_batch = max_batch
         self._queue: queue.Queue[tuple[GenerationRequest, Future[Generation]] | None] = (
             queue.Queue()

@@ -1,0 +1,27 @@
+"""Engines are named in the config (a discriminated union on ``kind``), never imported by path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrator.config import EngineConfig, HFEngineConfig, VLLMEngineConfig
+from workers.rollout.engines.base import Engine
+
+
+def make_engine(config: EngineConfig, model_dir: str | Path, *, seed: int = 0) -> Engine:
+    if isinstance(config, HFEngineConfig):
+        from workers.rollout.engines.hf import HFEngine
+
+        return HFEngine(model_dir, device=config.device, seed=seed)
+    if isinstance(config, VLLMEngineConfig):
+        from workers.rollout.engines.vllm import VLLMEngine
+
+        return VLLMEngine(
+            model_dir,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            max_model_len=config.max_model_len,
+            seed=seed,
+        )
+    raise TypeError(f"unknown engine config {config!r}")  # pragma: no cover
