@@ -1,10 +1,12 @@
-"""Benchmark of rollout generation: ``hf`` engine tokens/s with 1, 4 and 16 concurrent agent
-loops on one node (loops share the engine through dynamic batching).
+"""Benchmark of rollout generation with the ``hf`` engine:
 
-The model is the tiny local one (built into a temporary folder unless ``--model`` is given);
-agent loops play the ``guess`` task for ``--turns`` turns of ``--tokens-per-turn`` tokens each.
-Per-turn latency with KV reuse vs re-prefill is not measured: the ``hf`` engine re-prefills
-every turn (KV reuse across turns is not implemented yet).
+1. tokens/s with 1, 4 and 16 concurrent agent loops on one node (loops share the engine through
+   dynamic batching); agent loops play the ``guess`` task for ``--turns`` turns of
+   ``--tokens-per-turn`` tokens each;
+2. per-turn latency on one 10-turn trajectory (a long tool observation after every turn, so
+   the context grows), with the KV cache reused across turns vs the context prefilled again.
+
+The model is the tiny local one (built into a temporary folder unless ``--model`` is given).
 
 Usage: python ops/bench/rollout.py [--model DIR] [--loops 1 4 16] [--turns 6]
 Prints a table, then (last line) one JSON object with the figures.
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tasks.guess import GuessSpec, GuessTask
 from workers.rollout.agent import AgentLoop, Limits
+from workers.rollout.engines.base import GenerationRequest
 from workers.rollout.engines.batching import BatchingEngine
 from workers.rollout.engines.hf import HFEngine
 from workers.rollout.tools import ToolRunner
@@ -60,6 +63,25 @@ def run_loops(hf: HFEngine, loops: int, turns: int, tokens_per_turn: int) -> dic
     }
 
 
+def kv_turns(hf: HFEngine, turns: int, tokens_per_turn: int, reuse: bool) -> list[float]:
+    """Per-turn generate latency (s) of one growing trajectory."""
+    hf.kv_reuse = reuse
+    hf._cache, hf._cache_ids = None, []
+    ctx = list(
+        hf.tokenizer.encode("<|system|>\nTools: search, open\n<|user|>\nFind it.\n<|assistant|>\n")
+    )
+    observation = list(
+        hf.tokenizer.encode("\n<|tool|>\n" + "result line " * 60 + "\n<|assistant|>\n")
+    )
+    latencies = []
+    for _ in range(turns):
+        t0 = time.perf_counter()
+        gen = hf.generate([GenerationRequest(ctx, tokens_per_turn, 1.0)])[0]
+        latencies.append(time.perf_counter() - t0)
+        ctx += gen.token_ids + observation
+    return latencies
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -80,6 +102,10 @@ def main() -> None:
         params = sum(p.numel() for p in hf.model.parameters())
         run_loops(hf, 1, 1, 8)  # warm-up
         results = [run_loops(hf, n, args.turns, args.tokens_per_turn) for n in args.loops]
+        kv_turns(hf, 2, 8, True)  # warm-up
+        reuse = kv_turns(hf, 10, 32, True)
+        prefill = kv_turns(hf, 10, 32, False)
+        hf.kv_reuse = True
     print(
         f"# rollout benchmark: hf engine on CPU, {params / 1e6:.2f}M-parameter model, "
         f"{args.turns} turns"
@@ -91,6 +117,11 @@ def main() -> None:
             f"{r['tokens']:>7}  {r['wall_s']:>7.2f}"
         )
     print(
+        f"10-turn trajectory, mean per-turn latency: KV reuse {1000 * sum(reuse) / 10:.1f} ms, "
+        f"re-prefill {1000 * sum(prefill) / 10:.1f} ms; last turn {1000 * reuse[-1]:.1f} vs "
+        f"{1000 * prefill[-1]:.1f} ms"
+    )
+    print(
         json.dumps(
             {
                 "bench": "rollout",
@@ -99,7 +130,10 @@ def main() -> None:
                 "tokens_per_turn": args.tokens_per_turn,
                 "tokens_per_s": {str(r["loops"]): round(r["tokens_per_s"], 1) for r in results},
                 "mean_batch": {str(r["loops"]): round(r["mean_batch"], 2) for r in results},
-                "kv_reuse": None,
+                "turn_ms_kv_reuse": round(1000 * sum(reuse) / len(reuse), 2),
+                "turn_ms_reprefill": round(1000 * sum(prefill) / len(prefill), 2),
+                "last_turn_ms_kv_reuse": round(1000 * reuse[-1], 2),
+                "last_turn_ms_reprefill": round(1000 * prefill[-1], 2),
             }
         )
     )

@@ -1,22 +1,32 @@
 """The ``hf`` engine: transformers on CPU or GPU, the default engine and the one tests use.
 
-Concurrent requests are generated as one left-padded batch. Behaviour log-probs come from the
-raw logits divided by the temperature (``output_logits``), never from the processed scores
-(which would include top-k and other warpers): with plain sampling at temperature T they are
-exactly the log-probs of the distribution the tokens were drawn from.
+Concurrent requests are generated as one left-padded batch. A request that arrives alone and
+continues the sequence generated last (the next turn of the same trajectory: its context starts
+with the cached tokens) reuses that sequence's KV cache instead of prefilling the whole context
+again (``kv_reuse``); the cache is dropped when new weights are loaded. Behaviour log-probs
+come from the raw logits divided by the temperature (``output_logits``), never from the
+processed scores (which would include top-k and other warpers): with plain sampling at
+temperature T they are exactly the log-probs of the distribution the tokens were drawn from.
 """
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 from workers.rollout.engines.base import EngineHealth, Generation, GenerationRequest
 
 
 class HFEngine:
     def __init__(
-        self, model_dir: str | Path, *, device: str = "cpu", version: int = 0, seed: int = 0
+        self,
+        model_dir: str | Path,
+        *,
+        device: str = "cpu",
+        version: int = 0,
+        seed: int = 0,
+        kv_reuse: bool = True,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -35,6 +45,10 @@ class HFEngine:
         self._tokens = 0
         self._requests = 0
         self._lock = threading.Lock()
+        self.kv_reuse = kv_reuse
+        self._cache: Any = None  # KV cache of the last single-request generation ...
+        self._cache_ids: list[int] = []  # ... and the tokens it covers
+        self.cache_hits = 0
         torch.manual_seed(seed)
 
     @property
@@ -67,7 +81,17 @@ class HFEngine:
             ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
             mask[row, width - len(r.prompt_ids) :] = 1
         max_new = max(r.max_new_tokens for r in requests)
+        reuse: dict[str, Any] = {}
+        single = len(requests) == 1 and self.kv_reuse
+        if single and self._cache is not None:
+            n = len(self._cache_ids)
+            prompt = requests[0].prompt_ids
+            if len(prompt) > n and prompt[:n] == self._cache_ids:
+                reuse["cache"] = self._cache
+                self.cache_hits += 1
+        self._cache, self._cache_ids = None, []
         result = self.model.generate(
+            **reuse,
             input_ids=ids.to(self.device),
             attention_mask=mask.to(self.device),
             do_sample=True,
@@ -80,6 +104,9 @@ class HFEngine:
             output_logits=True,
             return_dict_in_generate=True,
         )
+        if single and getattr(result, "cache", None) is not None:
+            covered = result.cache.get_seq_length()
+            self._cache, self._cache_ids = result.cache, result.sequences[0, :covered].tolist()
         new = result.sequences[:, width:]  # [B, T]
         logits = torch.stack(result.logits, dim=1).float() / temperature  # [B, T, V]
         logprobs = (
@@ -110,6 +137,7 @@ class HFEngine:
             if bad:
                 raise ValueError(f"weights of version {version} do not fit the model: {bad[:5]}")
             self._version = version
+            self._cache, self._cache_ids = None, []  # computed with the old weights
 
     def health(self) -> EngineHealth:
         return EngineHealth(self._version, self._tokens, self._requests)
