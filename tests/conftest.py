@@ -120,6 +120,14 @@ def engine(db_url: str) -> Iterator[sa.Engine]:
     eng.dispose()
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny local model (random weights), built once per test session."""
+    from workers.tiny_model import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("tiny"))
+
+
 @dataclass
 class CliResult:
     code: int

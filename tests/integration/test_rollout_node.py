@@ -18,13 +18,6 @@ from workers.rollout.node import NodeConfig, RolloutNode, rollout_actor
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from workers.tiny_model import build_tiny
-
-    return build_tiny(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
 def ray_local() -> Iterator[Any]:
     import ray
 

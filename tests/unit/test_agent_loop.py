@@ -17,13 +17,6 @@ from workers.rollout.tools import ToolRunner
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from workers.tiny_model import build_tiny
-
-    return build_tiny(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="session")
 def engine(tiny_dir: Path) -> HFEngine:
     return HFEngine(tiny_dir, seed=0)
 
