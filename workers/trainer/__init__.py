@@ -1,0 +1,1 @@
+"""The trainer: GRPO loss, sequence packing, FSDP ranks, checkpoints, weight publishing."""
