@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
+from orchestrator.algorithms import LossConfig
 from orchestrator.defaults import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_STALENESS, DEFAULT_WEIGHT
 from orchestrator.errors import UserError
 
@@ -89,6 +90,82 @@ class VLLMEngineConfig(StrictModel):
 EngineConfig = Annotated[HFEngineConfig | VLLMEngineConfig, Field(discriminator="kind")]
 
 
+class ModelConfig(StrictModel):
+    """The policy to train. ``path`` unset: the tiny local model in ROLLCALL_HOME/models/tiny,
+    built (``rollcall model init``) on first use."""
+
+    path: str | None = None
+
+
+class RayConfig(StrictModel):
+    """``address`` unset: a local Ray started for the job (``num_cpus`` caps it); otherwise the
+    cluster to join, e.g. ``ray://head:10001`` or ``auto``."""
+
+    address: str | None = None
+    num_cpus: int | None = Field(default=None, ge=1)
+
+
+class RolloutConfig(StrictModel):
+    """Rollout nodes: Ray actors with one engine and ``concurrency`` agent loops each."""
+
+    nodes: int = Field(default=1, ge=1)
+    concurrency: int = Field(default=8, ge=1, description="agent loops per node")
+    cpus_per_node: float = Field(default=1.0, gt=0)
+    gpus_per_node: float = Field(default=0.0, ge=0)
+    engine: EngineConfig = Field(default_factory=HFEngineConfig)
+    max_tokens_per_turn: int = Field(default=64, ge=1)
+    max_tokens: int = Field(default=2048, ge=16, description="per trajectory")
+    temperature: float = Field(default=1.0, gt=0)
+    heartbeat_interval_s: float = Field(default=2.0, gt=0)
+    tool_timeout_s: float = Field(default=5.0, gt=0)
+
+
+class TrainerConfig(StrictModel):
+    """The FSDP2 trainer: ``ranks`` Ray actors, gloo on CPU, NCCL on CUDA."""
+
+    ranks: int = Field(default=1, ge=1)
+    cpus_per_rank: float = Field(default=1.0, gt=0)
+    device: Literal["cpu", "cuda"] = "cpu"
+    lr: float = Field(default=1e-5, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = Field(default=0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
+    grad_clip: float = Field(default=1.0, gt=0)
+    micro_batch_tokens: int = Field(default=8192, ge=16, description="packing budget")
+    mini_batches: int = Field(default=1, ge=1, description="optimizer updates per step")
+    checkpoint_every: int = Field(default=1, ge=1, description="steps between checkpoints")
+    keep_checkpoints: int = Field(default=2, ge=1)
+    sync_every: int = Field(default=1, ge=1, description="steps between weight publications")
+    keep_weights: int = Field(default=3, ge=1)
+    loss: LossConfig = Field(default_factory=LossConfig)
+
+
+class ControlPlaneConfig(StrictModel):
+    """The scheduler jobs of the driver (APScheduler)."""
+
+    seed_interval_s: float = Field(default=1.0, gt=0)
+    lease_sweep_interval_s: float = Field(default=5.0, gt=0)
+    staleness_interval_s: float = Field(default=5.0, gt=0)
+
+
+class EvalConfig(StrictModel):
+    """Reward on held-out prompts, per task, for the learning curve."""
+
+    every: int = Field(default=5, ge=0, description="steps between evaluations (0: start, end)")
+    episodes: int = Field(default=32, ge=1, description="held-out prompts per task")
+    temperature: float = Field(default=1.0, gt=0)
+
+
+class RunConfig(StrictModel):
+    mode: Literal["async", "sync"] = "async"
+    total_steps: int = Field(default=20, ge=1)
+    seed: int = 0
+    dir: str | None = Field(default=None, description="default: ROLLCALL_HOME/runs/JOB")
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
 class RollcallConfig(StrictModel):
     """The root of a job config file (``configs/*.yaml``)."""
 
@@ -96,6 +173,12 @@ class RollcallConfig(StrictModel):
     database: DatabaseConfig = Field(default_factory=DatabaseConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     tasks: list[TaskConfig] = Field(default_factory=list)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    control_plane: ControlPlaneConfig = Field(default_factory=ControlPlaneConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
 
     @field_validator("tasks")
     @classmethod

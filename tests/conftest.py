@@ -199,3 +199,14 @@ def unchanged(url: str) -> Iterator[None]:
 
 
 PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[Any]:
+    """A local Ray for the session (logical CPUs: actors ask for 1 each, threads are capped)."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()

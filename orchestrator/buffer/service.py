@@ -155,13 +155,25 @@ class Buffer:
         with self.db.transaction() as tx:
             return tx.workers.register(job_id=self.job_id, role=role, name=name, **info)
 
-    def heartbeat(self, worker_id: int, tokens_generated: int = 0) -> list[tuple[int, int]]:
+    def heartbeat(
+        self, worker_id: int, tokens_generated: int = 0, loaded_version: int | None = None
+    ) -> list[tuple[int, int]]:
         """Liveness plus lease renewal. Returns the (episode, epoch) leases still held; a
         lease missing from the list has moved on and its work must be abandoned."""
         with self.db.transaction() as tx:
-            if not tx.workers.heartbeat(worker_id, tokens_generated):
+            if not tx.workers.heartbeat(worker_id, tokens_generated, loaded_version):
                 return []
             return tx.episodes.renew(worker_id, self.config.lease_s)
+
+    def published_weights(self) -> tuple[int, str] | None:
+        """(version, location) of the latest published weights, or None before the first."""
+        with self.db.transaction() as tx:
+            return tx.batches.published_weights(self.job_id)
+
+    def depth(self) -> dict[str, int]:
+        """Episodes of the job by status (``done`` split into ``ready`` and ``consumed``)."""
+        with self.db.transaction() as tx:
+            return tx.episodes.depth(self.job_id)
 
     def claim(self, worker_id: int) -> ClaimedEpisode | None:
         """Lease one episode for the worker, or None when no task has claimable work."""
@@ -309,8 +321,28 @@ class Buffer:
 
     # -- trainer side ---------------------------------------------------------------------------
 
-    def claim_batch(self, step: int) -> Batch:
-        """Claim the batch for ``step`` (or replay the one already reserved for it)."""
+    def expire_stale(self) -> dict[str, int]:
+        """Expire finished groups older than their task's staleness bound (their prompts are
+        queued again); per task name, the groups expired. Claims do this too; the control
+        plane runs it on a schedule so stale data does not hold admission slots."""
+        with self.db.transaction() as tx:
+            tx.batches.lock_job_batches(self.job_id)
+            job = tx.batches.job_state(self.job_id)
+            return self._expire(tx, job.policy_version)
+
+    def _expire(self, tx: Tx, policy_version: int) -> dict[str, int]:
+        names = {t.id: t.name for t in tx.batches.trainable_tasks(self.job_id)}
+        expired = Counter(
+            e.task_id for e in tx.batches.expire_stale_groups(self.job_id, policy_version)
+        )
+        for task_id, n in sorted(expired.items()):
+            tx.episodes.bump_task_counter(task_id, "expired_groups", n)
+        return {names.get(t, str(t)): n for t, n in expired.items()}
+
+    def claim_batch(self, step: int, min_groups: int = 0) -> Batch:
+        """Claim the batch for ``step`` (or replay the one already reserved for it). With
+        ``min_groups``, nothing is reserved unless at least that many groups are available
+        (the batch comes back empty): the trainer waits for a full batch."""
         with self.db.transaction() as tx:
             tx.batches.lock_job_batches(self.job_id)
             job = tx.batches.job_state(self.job_id)
@@ -327,13 +359,8 @@ class Buffer:
                 return Batch(step, job.policy_version, tuple(groups), mix, True, {})
 
             tasks = tx.batches.trainable_tasks(self.job_id)
-            names = {t.id: t.name for t in tasks}
-            expired = Counter(
-                e.task_id for e in tx.batches.expire_stale_groups(self.job_id, job.policy_version)
-            )
-            for task_id, n in sorted(expired.items()):
-                tx.episodes.bump_task_counter(task_id, "expired_groups", n)
-            expired_by_task = {names.get(t, str(t)): n for t, n in expired.items()}
+            expired_by_task = self._expire(tx, job.policy_version)
+            expired = {t.id: expired_by_task.get(t.name, 0) for t in tasks}
 
             available = tx.batches.available_groups(self.job_id, job.policy_version)
             last = tx.batches.last_step(self.job_id)
@@ -345,6 +372,8 @@ class Buffer:
             alloc = allocate_batch(
                 {t.id: t.weight for t in tasks}, available, carry, self.config.batch_groups
             )
+            if sum(alloc.groups.values()) < min_groups:
+                return Batch(step, job.policy_version, (), {}, False, expired_by_task)
             ids: list[int] = []
             by_id = {t.id: t for t in tasks}
             for task_id, n in sorted(alloc.groups.items()):
@@ -376,8 +405,10 @@ class Buffer:
         *,
         checkpoint_uri: str | None = None,
         metrics: dict[str, Any] | None = None,
+        weights_uri: str | None = None,
     ) -> StepCommit:
-        """Atomically consume the step's batch, record the step, bump the policy version."""
+        """Atomically consume the step's batch, record the step, bump the policy version and,
+        with ``weights_uri``, publish the new version's weights to the rollout nodes."""
         with self.db.transaction() as tx:
             job = tx.batches.job_state(self.job_id, for_update=True)
             existing = tx.batches.get_step(self.job_id, step)
@@ -405,4 +436,6 @@ class Buffer:
                 metrics=metrics or {},
             )
             tx.batches.advance_version(self.job_id, version)
+            if weights_uri is not None:
+                tx.batches.publish_weights(self.job_id, version, weights_uri)
             return StepCommit(step, version, groups, trajectories, already_committed=False)

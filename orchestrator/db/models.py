@@ -106,10 +106,19 @@ class Job(Base):
     # restarted trainer replays exactly the same batch).
     pending_step: Mapped[int | None] = mapped_column(Integer)
     pending_mix: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    # The latest published weights (set with the step commit that produced them): rollout
+    # nodes load ``weights_uri`` when ``weights_version`` is newer than what they hold.
+    weights_version: Mapped[int | None] = mapped_column(Integer)
+    weights_uri: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = _created()
     updated_at: Mapped[datetime] = _updated()
 
-    __table_args__ = (CheckConstraint("policy_version >= 0", name="policy_version_nonneg"),)
+    __table_args__ = (
+        CheckConstraint("policy_version >= 0", name="policy_version_nonneg"),
+        CheckConstraint(
+            "weights_version IS NULL OR weights_version >= 0", name="weights_version_nonneg"
+        ),
+    )
 
 
 class Task(Base):

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import sqlalchemy as sa
 
 from orchestrator.config import BufferConfig
@@ -15,16 +13,6 @@ from orchestrator.db.engine import Database
 from tests.integration.buffer_helpers import add_tasks, rows, scalar
 from workers.rollout.agent import Limits
 from workers.rollout.node import NodeConfig, RolloutNode, rollout_actor
-
-
-@pytest.fixture(scope="module")
-def ray_local() -> Iterator[Any]:
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield ray
-    ray.shutdown()
 
 
 def _register(db: Database) -> dict[str, int]:

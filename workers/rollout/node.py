@@ -10,8 +10,10 @@ checkpoints. What it guarantees:
   moved on (the buffer rejected the write; the new holder continues from the checkpoint);
 - each trajectory is checkpointed through the buffer after every turn, fenced by the lease;
 - a heartbeat thread renews the node's leases and reports tokens generated (progress);
-- new weights are loaded between engine calls (``load_weights``), so in-flight trajectories
-  continue under the new version and record it per turn.
+- new weights are loaded between engine calls, so in-flight trajectories continue under the
+  new version and record it per turn (partial rollout): the node looks up the job's published
+  weights before every claim and on every heartbeat, and loads a newer version when there is
+  one (``load_weights`` does the same on demand).
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class NodeStats:
     episodes_released: int = 0
     episodes_abandoned: int = 0
     turns: int = 0
+    weight_loads: int = 0
+    weight_load_s_last: float = 0.0
+    weight_load_s_total: float = 0.0
 
 
 class RolloutNode:
@@ -81,10 +86,12 @@ class RolloutNode:
         self.tokenizer = self.base_engine.tokenizer
         self.stats = NodeStats()
         self._lock = threading.Lock()
+        self._load_lock = threading.Lock()
         self._lost: set[tuple[int, int]] = set()
         self._active: set[tuple[int, int]] = set()
         self._stop = threading.Event()
         self._reported_tokens = 0
+        self._sync_weights()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self._heartbeat.start()
 
@@ -111,8 +118,12 @@ class RolloutNode:
         return self.report()
 
     def load_weights(self, version: int, location: str) -> int:
-        self.engine.load_weights(version, location)
+        with self._load_lock:
+            self._load(version, location)
         return version
+
+    def version(self) -> int:
+        return self.engine.version
 
     def report(self) -> dict[str, Any]:
         h = self.base_engine.health()
@@ -137,6 +148,7 @@ class RolloutNode:
             while not self._stop.is_set():
                 if budget is not None and not budget.acquire(blocking=False):
                     return
+                self._sync_weights()
                 claim = self.buffer.claim(self.worker.id)
                 if claim is None:
                     if budget is not None:
@@ -210,9 +222,34 @@ class RolloutNode:
         if not t.finished:  # the final state goes in with the commit
             self.buffer.checkpoint(lease, sample_index, t.payload())
 
+    def _sync_weights(self) -> None:
+        """Load the job's latest published weights if they are newer than the engine's."""
+        published = self.buffer.published_weights()
+        if published is None or published[0] <= self.engine.version:
+            return
+        with self._load_lock:
+            if published[0] > self.engine.version:
+                try:
+                    self._load(*published)
+                except OSError:  # pruned while we looked: the next version will be there
+                    log.warning("weights of version %s are gone; waiting for the next", published)
+
+    def _load(self, version: int, location: str) -> None:
+        t0 = time.perf_counter()
+        self.engine.load_weights(version, location)
+        took = time.perf_counter() - t0
+        with self._lock:
+            self.stats.weight_loads += 1
+            self.stats.weight_load_s_last = took
+            self.stats.weight_load_s_total += took
+
     def _beat_once(self) -> None:
         tokens = self.base_engine.health().tokens_generated
-        held = set(self.buffer.heartbeat(self.worker.id, tokens - self._reported_tokens))
+        held = set(
+            self.buffer.heartbeat(
+                self.worker.id, tokens - self._reported_tokens, loaded_version=self.engine.version
+            )
+        )
         self._reported_tokens = tokens
         with self._lock:
             self._lost |= {k for k in self._active if k not in held}
@@ -221,6 +258,7 @@ class RolloutNode:
         while not self._stop.wait(self.config.heartbeat_interval_s):
             try:
                 self._beat_once()
+                self._sync_weights()
             except Exception:  # a missed beat is survivable; the lease budget covers it
                 log.exception("heartbeat failed")
 

@@ -326,6 +326,20 @@ class BatchRepository:
             {"j": job_id, "v": version},
         )
 
+    def publish_weights(self, job_id: int, version: int, uri: str) -> None:
+        self.session.execute(
+            text("UPDATE jobs SET weights_version = :v, weights_uri = :u WHERE id = :j"),
+            {"j": job_id, "v": version, "u": uri},
+        )
+
+    def published_weights(self, job_id: int) -> tuple[int, str] | None:
+        row = self.session.execute(
+            text("SELECT weights_version, weights_uri FROM jobs WHERE id = :j"), {"j": job_id}
+        ).one_or_none()
+        if row is None or row.weights_version is None or row.weights_uri is None:
+            return None
+        return int(row.weights_version), str(row.weights_uri)
+
     def release_claims(self, job_id: int) -> int:
         """Claimed trajectories of uncommitted steps back to ``ready``; their groups stay
         reserved for the same step, which replays them."""

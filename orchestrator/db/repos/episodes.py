@@ -278,6 +278,21 @@ class EpisodeRepository:
         )
         return row is not None
 
+    def depth(self, job_id: int) -> dict[str, int]:
+        rows = self.session.execute(
+            text(
+                """
+                SELECT CASE WHEN status = 'done' AND consumed_step IS NOT NULL THEN 'consumed'
+                            WHEN status = 'done' AND claimed_step IS NOT NULL THEN 'claimed'
+                            WHEN status = 'done' THEN 'ready'
+                            ELSE status::text END AS s, count(*)
+                FROM episodes WHERE job_id = :j GROUP BY 1
+                """
+            ),
+            {"j": job_id},
+        ).all()
+        return {r[0]: int(r[1]) for r in rows}
+
     def get_status(self, episode_id: int) -> Any | None:
         return self.session.execute(
             text("SELECT id, task_id, status, lease_epoch, group_size FROM episodes WHERE id = :e"),

@@ -63,19 +63,23 @@ class WorkerRepository:
         ).one()
         return _view(row)
 
-    def heartbeat(self, worker_id: int, tokens_generated: int = 0) -> bool:
-        """Record liveness (and progress when tokens were generated). False: declared dead."""
+    def heartbeat(
+        self, worker_id: int, tokens_generated: int = 0, loaded_version: int | None = None
+    ) -> bool:
+        """Record liveness (and progress when tokens were generated, and the policy version the
+        worker holds when given). False: declared dead."""
         row = self.session.execute(
             text(
                 """
                 UPDATE workers SET last_heartbeat_at = now(),
                     tokens_generated = tokens_generated + :n,
-                    last_progress_at = CASE WHEN :n > 0 THEN now() ELSE last_progress_at END
+                    last_progress_at = CASE WHEN :n > 0 THEN now() ELSE last_progress_at END,
+                    loaded_version = coalesce(CAST(:v AS integer), loaded_version)
                 WHERE id = :w AND status IN ('starting', 'alive')
                 RETURNING id
                 """
             ),
-            {"w": worker_id, "n": tokens_generated},
+            {"w": worker_id, "n": tokens_generated, "v": loaded_version},
         ).one_or_none()
         return row is not None
 

@@ -1,0 +1,98 @@
+"""Reward on held-out prompts: the learning curve's measurements.
+
+``Evaluator`` hosts its own ``hf`` engine (so evaluation never touches the buffer or the rollout
+nodes' engines), loads a published version, and plays each task's held-out prompts
+(``plugin.eval_prompt``) through the same agent loop as rollout, all loops batched together.
+``evaluator_actor()`` makes it a Ray actor.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from tasks import registry
+
+
+@dataclass(frozen=True)
+class EvalTask:
+    name: str
+    plugin: str
+    spec: dict[str, Any]
+
+
+class Evaluator:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        max_tokens_per_turn: int = 64,
+        max_tokens: int = 2048,
+        temperature: float = 1.0,
+        concurrency: int = 16,
+        seed: int = 0,
+        threads: int = 1,
+    ) -> None:
+        import torch
+
+        from workers.rollout.engines.batching import BatchingEngine
+        from workers.rollout.engines.hf import HFEngine
+
+        torch.set_num_threads(threads)
+        self.hf = HFEngine(model_dir, seed=seed)
+        self.engine = BatchingEngine(self.hf, max_batch=concurrency)
+        self.concurrency = concurrency
+        self.max_tokens_per_turn = max_tokens_per_turn
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+
+    def evaluate(
+        self,
+        tasks: list[EvalTask],
+        episodes: int,
+        version: int = 0,
+        location: str | None = None,
+    ) -> dict[str, float]:
+        """Mean reward per task over held-out prompts 0..episodes-1 under ``version``."""
+        from workers.rollout.agent import AgentLoop, Limits
+        from workers.rollout.tools import ToolRunner
+
+        if location is not None and version != self.engine.version:
+            self.engine.load_weights(version, location)
+
+        def one(job: tuple[EvalTask, int]) -> tuple[str, float]:
+            task, i = job
+            plugin = registry.get(task.plugin)
+            spec = plugin.Spec.model_validate(task.spec)
+            limits = Limits(
+                max_turns=spec.max_turns,
+                max_tokens_per_turn=self.max_tokens_per_turn,
+                max_tokens=self.max_tokens,
+                temperature=self.temperature,
+            )
+            with ToolRunner() as runner:
+                loop = AgentLoop(
+                    self.engine,
+                    self.hf.tokenizer,
+                    plugin,
+                    spec,
+                    plugin.eval_prompt(spec, i),
+                    runner,
+                    limits,
+                )
+                return task.name, loop.run().reward
+
+        jobs = [(t, i) for t in tasks for i in range(episodes)]
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            results = list(pool.map(one, jobs))
+        return {t.name: sum(r for n, r in results if n == t.name) / episodes for t in tasks}
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def evaluator_actor(num_cpus: float = 0.0) -> Any:
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, max_restarts=0)(Evaluator)

@@ -1,0 +1,94 @@
+"""The trainer as the driver sees it: ``ranks`` FSDP2 rank actors driven together.
+
+``TrainerGroup`` creates the rank actors, forms their process group (rank 0 names the address),
+and runs every collective on all ranks at once: a train step on a ``StepPlan``, publishing the
+new weights, checkpoints, the final policy. A rank that dies makes the others' next collective
+fail fast (gloo/NCCL), so the call raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.config import TrainerConfig
+from workers.trainer.batch import StepPlan
+from workers.trainer.grpo import LossStats
+from workers.trainer.rank import RankSettings, trainer_actor
+
+
+class TrainerGroup:
+    def __init__(
+        self,
+        config: TrainerConfig,
+        model_dir: str,
+        *,
+        total_steps: int,
+        seed: int = 0,
+        temperature: float = 1.0,
+    ) -> None:
+        import ray
+
+        self.config = config
+        settings = RankSettings(
+            model_dir=model_dir,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            betas=config.betas,
+            warmup_updates=config.warmup_steps * config.mini_batches,
+            total_updates=total_steps * config.mini_batches,
+            schedule=config.schedule,
+            min_lr_ratio=config.min_lr_ratio,
+            grad_clip=config.grad_clip,
+            loss=config.loss.model_copy(update={"temperature": temperature}),
+            device=config.device,
+            seed=seed,
+            threads=max(1, int(config.cpus_per_rank)),
+        )
+        actor = trainer_actor(config.cpus_per_rank, 1.0 if config.device == "cuda" else 0.0)
+        world = config.ranks
+        self.ranks = [actor.remote(r, world, settings) for r in range(world)]
+        master = ray.get(self.ranks[0].address.remote())
+        self.info = ray.get([r.setup.remote(master) for r in self.ranks])
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        import ray
+
+        return list(ray.get([getattr(r, method).remote(*args) for r in self.ranks]))
+
+    def train(self, plan: StepPlan) -> dict[str, float]:
+        import ray
+
+        per_rank = [[mini[r] for mini in plan.mini_batches] for r in range(len(self.ranks))]
+        results = ray.get(
+            [rank.train.remote(work) for rank, work in zip(self.ranks, per_rank, strict=True)]
+        )
+        stats = LossStats()
+        for r in results:
+            stats = stats + r["stats"]
+        return {
+            **stats.summary(),
+            "loss": sum(r["loss"] for r in results),
+            "grad_norm": results[0]["grad_norm"],
+            "lr": results[0]["lr"],
+        }
+
+    def publish(self, root: str, version: int) -> str:
+        return str(self._all("publish", root, version, self.config.keep_weights)[0])
+
+    def save_checkpoint(self, path: str, step: int) -> str:
+        return str(self._all("save_checkpoint", path, step)[0])
+
+    def load_checkpoint(self, path: str) -> int:
+        return int(self._all("load_checkpoint", path)[0])
+
+    def save_final(self, out: str) -> str:
+        return str(self._all("save_final", out)[0])
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            self._all("shutdown")
+        finally:
+            for r in self.ranks:
+                ray.kill(r)

@@ -1,0 +1,322 @@
+"""One FSDP2 trainer rank: the model sharded with ``fully_shard`` (gloo on CPU, NCCL on GPU),
+AdamW with a warm-up and constant or cosine schedule, the GRPO loss on packed micro-batches,
+gradient accumulation and clipping, checkpoints (``torch.distributed.checkpoint``: model,
+optimizer, scheduler, step) and the full state dict for publishing and the final policy.
+
+``TrainerRank`` is a plain class; ``trainer_actor()`` makes it the Ray actor. Every method that
+runs a collective must be called on all ranks together (``TrainerGroup`` does that). Each rank
+gets the same number of micro-batches per mini-batch (``plan_micro_batches``); an empty one runs
+a one-token forward and backward with zero loss so the collectives still match.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.algorithms import LossConfig
+from workers.trainer.batch import TrainSequence
+from workers.trainer.grpo import LossStats, needs_proximal, policy_loss
+
+
+@dataclass(frozen=True)
+class RankSettings:
+    model_dir: str
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    warmup_updates: int
+    total_updates: int
+    schedule: str  # "constant" | "cosine"
+    min_lr_ratio: float
+    grad_clip: float
+    loss: LossConfig
+    device: str = "cpu"
+    seed: int = 0
+    threads: int = 1
+    log_entropy: bool = True
+
+
+def lr_factor(update: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """Linear warm-up over ``warmup`` updates, then constant or cosine decay to ``min_ratio``."""
+    if warmup > 0 and update < warmup:
+        return (update + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total - warmup)
+    progress = min(1.0, (update - warmup) / span)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class TrainerRank:
+    def __init__(self, rank: int, world: int, settings: RankSettings) -> None:
+        self.rank, self.world, self.settings = rank, world, settings
+        self.model: Any = None
+        self.ref: Any = None
+        self.updates = 0
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 listens for the process group (called on rank 0 only)."""
+        host = socket.gethostbyname(socket.gethostname()) if self.world > 1 else "127.0.0.1"
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return host, int(s.getsockname()[1])
+
+    def setup(self, master: tuple[str, int]) -> dict[str, Any]:
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM
+
+        s = self.settings
+        torch.set_num_threads(s.threads)
+        cuda = s.device.startswith("cuda")
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "nccl" if cuda else "gloo",
+                init_method=f"tcp://{master[0]}:{master[1]}",
+                rank=self.rank,
+                world_size=self.world,
+            )
+        self.device = torch.device(s.device)
+        torch.manual_seed(s.seed)
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (self.world,))
+
+        def sharded(path: str) -> Any:
+            m: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            m = m.to(self.device)
+            for layer in m.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+            return m
+
+        self.model = sharded(s.model_dir)
+        self.model.train()
+        self.tie = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        if s.loss.kl.coef > 0:
+            self.ref = sharded(s.model_dir)
+            self.ref.eval()
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=s.lr, betas=s.betas, weight_decay=s.weight_decay
+        )
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt,
+            lambda u: lr_factor(
+                u,
+                warmup=s.warmup_updates,
+                total=s.total_updates,
+                schedule=s.schedule,
+                min_ratio=s.min_lr_ratio,
+            ),
+        )
+        params = sum(p.numel() for p in self.model.parameters())
+        return {"rank": self.rank, "parameters_local": params, "pid": os.getpid()}
+
+    # -- training -----------------------------------------------------------------------------
+
+    def train(self, mini_batches: list[list[list[TrainSequence]]]) -> dict[str, Any]:
+        """One optimizer update per mini-batch (this rank's micro-batches of each)."""
+        import torch
+
+        loss_cfg = self.settings.loss
+        stats = LossStats()
+        loss_sum = 0.0
+        grad_norms = []
+        proximal = needs_proximal(loss_cfg.correction) and len(mini_batches) > 1
+        old = [[self._logprobs(mb)[0] for mb in mini] for mini in mini_batches] if proximal else []
+        for m, mini in enumerate(mini_batches):
+            for k, micro in enumerate(mini):
+                self.model.set_requires_gradient_sync(k == len(mini) - 1)
+                _, logp, entropy = self._forward(micro, grad=True)
+                if not micro:  # keeps the collectives of an empty micro-batch in step
+                    (logp.sum() * 0.0).backward()
+                    continue
+                beh = self._values(micro, lambda s: s.behaviour_logprobs)
+                if proximal:
+                    old_logp = old[m][k]
+                elif needs_proximal(loss_cfg.correction):
+                    # One update per step: the proximal policy is the current one, so its
+                    # log-probs are this forward's (detached); no second forward needed.
+                    old_logp = logp.detach()
+                else:
+                    old_logp = beh
+                mask = self._values(micro, lambda s: s.loss_mask).float()
+                adv = mask * self._per_token(micro, lambda s: s.advantage)
+                weights = mask * self._per_token(micro, lambda s: s.scale)
+                ref = None
+                if self.ref is not None:
+                    with torch.no_grad():
+                        ref = self._logprobs(micro, model=self.ref)[0]
+                out = policy_loss(
+                    loss_cfg,
+                    logp=logp,
+                    old_logp=old_logp,
+                    behaviour_logp=beh,
+                    advantages=adv,
+                    weights=weights,
+                    ref_logp=ref,
+                    entropy=entropy,
+                )
+                # Weights come from the mini-batch's totals over all ranks, so the rank losses
+                # add up to it; FSDP averages gradients over ranks, hence the factor.
+                (out.loss * self.world).backward()
+                stats = stats + out.stats
+                loss_sum += float(out.loss.detach())
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.settings.grad_clip)
+            grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.updates += 1
+        return {
+            "stats": stats,
+            "loss": loss_sum,
+            "grad_norm": max(grad_norms) if grad_norms else 0.0,
+            "lr": float(self.sched.get_last_lr()[0]),
+        }
+
+    def _forward(self, micro: list[TrainSequence], *, grad: bool, model: Any = None) -> Any:
+        import torch
+
+        from workers.trainer.forward import token_logprobs
+        from workers.trainer.packing import pack
+
+        model = model or self.model
+        seqs = [s.token_ids.tolist() for s in micro] or [[0]]
+        packed = pack(seqs, device=self.device)
+        with torch.set_grad_enabled(grad):
+            logp, entropy = token_logprobs(
+                model,
+                packed,
+                temperature=self.settings.loss.temperature,
+                with_entropy=grad
+                and (self.settings.log_entropy or self.settings.loss.entropy_coef > 0),
+            )
+        return packed, logp, entropy
+
+    def _logprobs(self, micro: list[TrainSequence], model: Any = None) -> Any:
+        _, logp, _ = self._forward(micro, grad=False, model=model)
+        return logp.detach(), None
+
+    def _values(self, micro: list[TrainSequence], get: Any) -> Any:
+        import numpy as np
+        import torch
+
+        return torch.from_numpy(np.concatenate([np.asarray(get(s)) for s in micro])).to(self.device)
+
+    def _per_token(self, micro: list[TrainSequence], get: Any) -> Any:
+        import torch
+
+        return torch.cat(
+            [torch.full((len(s.token_ids),), float(get(s)), device=self.device) for s in micro]
+        )
+
+    # -- state --------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, Any] | None:
+        """The unsharded weights on CPU (collective); rank 0 gets them, the others None."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        sd: dict[str, Any] = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank != 0:
+            return None
+        if self.tie:  # tied to the embedding; loaders re-tie it
+            sd.pop("lm_head.weight", None)
+        return {k: v.contiguous() for k, v in sd.items()}
+
+    def publish(self, root: str, version: int, keep: int) -> str | None:
+        """Write version ``version``'s weights for the rollout nodes (collective)."""
+        from workers.trainer.weights import publish
+
+        sd = self.full_state_dict()
+        if sd is None:
+            return None
+        return publish(sd, Path(root), version, keep=keep)
+
+    def save_checkpoint(self, path: str, step: int) -> str:
+        """Model, optimizer, scheduler and step, written to a temporary folder and renamed
+        into place once complete (collective)."""
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        final = Path(path)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0 and tmp.exists():
+            shutil.rmtree(tmp)
+        dist.barrier()
+        msd, osd = get_state_dict(self.model, self.opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+        if self.rank == 0:
+            torch.save(
+                {"scheduler": self.sched.state_dict(), "step": step, "updates": self.updates},
+                tmp / "trainer.pt",
+            )
+        dist.barrier()
+        if self.rank == 0:
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+        dist.barrier()
+        return str(final)
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore model, optimizer and scheduler (collective); returns the checkpoint's step."""
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        msd, osd = get_state_dict(self.model, self.opt)
+        state: dict[str, Any] = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            self.model, self.opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        extra = torch.load(Path(path) / "trainer.pt", weights_only=False)
+        self.sched.load_state_dict(extra["scheduler"])
+        self.updates = int(extra["updates"])
+        return int(extra["step"])
+
+    def save_final(self, out: str) -> str | None:
+        """The policy as a plain transformers model with its tokenizer (collective)."""
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        sd = self.full_state_dict()
+        if sd is None:
+            return None
+        config = AutoConfig.from_pretrained(self.settings.model_dir)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        if unexpected or [k for k in missing if k != "lm_head.weight"]:
+            raise RuntimeError(f"final weights do not fit: {missing[:3]} {unexpected[:3]}")
+        model.tie_weights()
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(self.settings.model_dir).save_pretrained(out)
+        return out
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def trainer_actor(num_cpus: float = 1.0, num_gpus: float = 0.0) -> Any:
+    import ray
+
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)(TrainerRank)
