@@ -170,6 +170,10 @@ class Buffer:
         with self.db.transaction() as tx:
             return tx.batches.published_weights(self.job_id)
 
+    def node_health(self) -> list[dict[str, Any]]:
+        with self.db.transaction() as tx:
+            return tx.workers.health(self.job_id)
+
     def depth(self) -> dict[str, int]:
         """Episodes of the job by status (``done`` split into ``ready`` and ``consumed``)."""
         with self.db.transaction() as tx:

@@ -19,6 +19,7 @@ from orchestrator.cli import job as job_cmd
 from orchestrator.cli import model as model_cmd
 from orchestrator.cli import quickstart as quickstart_cmd
 from orchestrator.cli import rollout as rollout_cmd
+from orchestrator.cli import run as run_cmd
 from orchestrator.cli import task as task_cmd
 from orchestrator.cli.common import GlobalOptions
 
@@ -35,6 +36,7 @@ app.add_typer(task_cmd.app, name="task")
 app.add_typer(model_cmd.app, name="model")
 app.add_typer(rollout_cmd.app, name="rollout")
 app.command("quickstart")(quickstart_cmd.quickstart)
+app.command("run")(run_cmd.run)
 
 
 def _version(value: bool) -> None:

@@ -1,8 +1,9 @@
 """``rollcall quickstart``: the README's first command.
 
-It brings up the control plane for ``configs/quickstart.yaml``: starts the embedded PostgreSQL
-(unless the config names a database), migrates it to head, creates the job and registers its
-tasks (idempotent: a task already registered with the same plugin is left as it is).
+It runs ``configs/quickstart.yaml``: starts the embedded PostgreSQL (unless the config names a
+database), migrates it to head, builds the tiny local model if it is missing, and runs the job
+(rollout nodes and the trainer on a local Ray) until its last step. A second quickstart starts
+a new job (``quickstart-2``, ...) unless ``--resume`` continues the last one.
 """
 
 from __future__ import annotations
@@ -12,77 +13,40 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.cli.common import actor, console, options
-
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def quickstart(
     ctx: typer.Context,
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="dotted.key=value overrides, e.g. run.total_steps=10", show_default=False
+        ),
+    ] = None,
     config: Annotated[
         Path | None,
         typer.Option(
             "--config", help="Job config (default: configs/quickstart.yaml).", show_default=False
         ),
     ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the quickstart job instead of a new one.")
+    ] = False,
+    live: Annotated[
+        bool, typer.Option("--live/--no-live", help="Live progress panel on a terminal.")
+    ] = True,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
-    """Set up and run the quickstart job (CPU, embedded PostgreSQL)."""
+    """Build the tiny model if needed and train it on the built-in tasks (CPU, embedded
+    PostgreSQL, local Ray)."""
+    from orchestrator.cli.run import report, run_job
     from orchestrator.config import load_config
-    from orchestrator.db import migrate
-    from orchestrator.db.engine import open_database
-    from orchestrator.errors import ConflictError, UserError
-    from orchestrator.services.jobs import create_job
-    from orchestrator.services.tasks import register_task
+    from orchestrator.errors import UserError
 
     path = config or REPO_CONFIGS / "quickstart.yaml"
     if not path.exists():
         raise UserError(f"quickstart config {path} does not exist; pass --config FILE")
-    cfg = load_config(path)
-    opts = options(ctx)
-    out = console()
-    db_url = cfg.database.url.get_secret_value() if cfg.database.url else None
-    db = open_database(opts.database_url, db_url, home=opts.home, verify_schema=False)
-    try:
-        out.print(f"database: {db.describe()}", markup=False)
-        with db.engine.connect() as conn:
-            migrate.upgrade(conn)
-            conn.commit()
-        db.verify_schema()
-        with db.transaction() as tx:
-            job = tx.jobs.get_by_name(cfg.job.name) or create_job(tx, cfg.job.name, actor=actor())
-            for t in cfg.tasks:
-                existing = tx.tasks.get_by_name(job.id, t.name)
-                if existing is not None and existing.status.value != "retired":
-                    if existing.plugin != t.plugin:
-                        raise ConflictError(
-                            f"task {t.name!r} exists in job {job.name!r} with plugin "
-                            f"{existing.plugin!r}, but the config says {t.plugin!r}; "
-                            "rename the task"
-                        )
-                    out.print(
-                        f"task {t.name}: already registered ({existing.status.value})", markup=False
-                    )
-                    continue
-                task = register_task(
-                    tx,
-                    job_name=job.name,
-                    name=t.name,
-                    plugin=t.plugin,
-                    weight=t.weight,
-                    max_inflight=t.max_inflight,
-                    max_staleness=t.max_staleness,
-                    spec_data=t.spec,
-                    actor=actor(),
-                )
-                out.print(
-                    f"task {task.name}: registered (plugin {task.plugin}, weight {task.weight:g})",
-                    markup=False,
-                )
-    finally:
-        db.dispose()
-    out.print(
-        f"Job {cfg.job.name!r} is registered and its control plane is ready. This release has no "
-        "trainer yet, so the quickstart does not train; inspect the job with "
-        f"`rollcall job show {cfg.job.name}` and `rollcall task list --job {cfg.job.name}`.",
-        markup=False,
-    )
+    cfg = load_config(path, overrides or [])
+    result = run_job(ctx, cfg, resume=resume, live=live, upgrade_schema=True, fresh_name=True)
+    report(result, json_out)

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator.config import check_name, format_validation_error, read_yaml_mapping
+from orchestrator.config import TaskConfig, check_name, format_validation_error, read_yaml_mapping
 from orchestrator.db.engine import Tx
 from orchestrator.defaults import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_STALENESS, DEFAULT_WEIGHT
 from orchestrator.domain import TaskStatus, TaskView
@@ -234,3 +234,43 @@ def retire_task(tx: Tx, *, job_name: str, name: str, confirmed: bool, actor: str
         payload={"from": task.status.value, "partition": task.partition, "expired_groups": expired},
     )
     return updated
+
+
+def ensure_tasks(
+    tx: Tx, *, job_name: str, tasks: list[TaskConfig], actor: str, sync: bool = False
+) -> list[str]:
+    """Register the config's tasks that the job lacks and bring the others' quotas to the
+    config's values (``max_staleness`` 0 in sync mode: every sample is on-policy). A task
+    registered with another plugin is a conflict. Returns one line per change."""
+    lines = []
+    for t in tasks:
+        staleness = 0 if sync else t.max_staleness
+        existing = tx.tasks.get_by_name(require_job(tx, job_name).id, t.name)
+        if existing is None or existing.status == TaskStatus.RETIRED:
+            task = register_task(
+                tx,
+                job_name=job_name,
+                name=t.name,
+                plugin=t.plugin,
+                weight=t.weight,
+                max_inflight=t.max_inflight,
+                max_staleness=staleness,
+                spec_data=t.spec,
+                actor=actor,
+            )
+            lines.append(
+                f"task {task.name}: registered (plugin {task.plugin}, weight {t.weight:g})"
+            )
+            continue
+        if existing.plugin != t.plugin:
+            raise ConflictError(
+                f"task {t.name!r} exists in job {job_name!r} with plugin {existing.plugin!r}, "
+                f"but the config says {t.plugin!r}; rename the task"
+            )
+        wanted = {"weight": t.weight, "max_inflight": t.max_inflight, "max_staleness": staleness}
+        if any(getattr(existing, k) != v for k, v in wanted.items()):
+            set_quota(tx, job_name=job_name, name=t.name, actor=actor, **wanted)  # type: ignore[arg-type]
+            lines.append(f"task {t.name}: quota set to {wanted}")
+        else:
+            lines.append(f"task {t.name}: already registered ({existing.status.value})")
+    return lines

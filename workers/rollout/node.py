@@ -52,6 +52,7 @@ class NodeConfig:
     limits: Limits = field(default_factory=Limits)
     engine: EngineConfig = field(default_factory=HFEngineConfig)
     seed: int = 0
+    threads: int = 0  # torch threads of the engine (0: torch's default)
 
 
 class LeaseLost(Exception):
@@ -76,6 +77,10 @@ class RolloutNode:
         self, database_url: str, job_id: int, config: NodeConfig, buffer: BufferConfig | None = None
     ) -> None:
         self.config = config
+        if config.threads > 0:
+            import torch
+
+            torch.set_num_threads(config.threads)
         self.db = open_database(database_url, pool_size=config.concurrency + 2)
         self.buffer = Buffer(self.db, job_id, buffer or BufferConfig())
         self.worker = self.buffer.register_worker(
@@ -274,8 +279,11 @@ def _ray_node_id() -> str | None:
     return None
 
 
-def rollout_actor(num_cpus: float = 1.0) -> Any:
-    """The Ray actor class for rollout nodes (restartable: state is rebuilt from the DB)."""
+def rollout_actor(num_cpus: float = 1.0, num_gpus: float = 0.0) -> Any:
+    """The Ray actor class for rollout nodes (restartable: state is rebuilt from the DB).
+    Threaded, so ``stop``, ``report`` and ``load_weights`` run while ``run`` does."""
     import ray
 
-    return ray.remote(num_cpus=num_cpus, max_restarts=-1, max_task_retries=0)(RolloutNode)
+    return ray.remote(  # type: ignore[call-overload]
+        num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=-1, max_task_retries=0, max_concurrency=8
+    )(RolloutNode)

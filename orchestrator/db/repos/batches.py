@@ -326,6 +326,16 @@ class BatchRepository:
             {"j": job_id, "v": version},
         )
 
+    def last_checkpoint(self, job_id: int) -> tuple[int, str] | None:
+        row = self.session.execute(
+            text(
+                "SELECT step, checkpoint_uri FROM train_steps WHERE job_id = :j "
+                "AND checkpoint_uri IS NOT NULL ORDER BY step DESC LIMIT 1"
+            ),
+            {"j": job_id},
+        ).one_or_none()
+        return (int(row.step), str(row.checkpoint_uri)) if row else None
+
     def publish_weights(self, job_id: int, version: int, uri: str) -> None:
         self.session.execute(
             text("UPDATE jobs SET weights_version = :v, weights_uri = :u WHERE id = :j"),

@@ -93,6 +93,30 @@ class WorkerRepository:
             {"w": worker_id, "s": status.value},
         )
 
+    def health(self, job_id: int) -> list[dict[str, Any]]:
+        """The latest incarnation of every worker slot of the job, with its heartbeat and
+        progress ages on the database clock."""
+        rows = self.session.execute(
+            text(
+                """
+                SELECT DISTINCT ON (name) name, role::text AS role, status::text AS status,
+                       incarnation, restarts, loaded_version, tokens_generated,
+                       extract(epoch FROM now() - last_heartbeat_at) AS heartbeat_age_s,
+                       extract(epoch FROM now() - last_progress_at) AS progress_age_s
+                FROM workers WHERE job_id = :j ORDER BY name, incarnation DESC
+                """
+            ),
+            {"j": job_id},
+        ).all()
+        return [
+            {
+                **r._asdict(),
+                "heartbeat_age_s": float(r.heartbeat_age_s),
+                "progress_age_s": float(r.progress_age_s),
+            }
+            for r in rows
+        ]
+
     def get(self, worker_id: int) -> WorkerView | None:
         row = self.session.execute(
             text(

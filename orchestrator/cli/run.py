@@ -1,0 +1,166 @@
+"""``rollcall run CONFIG [dotted.overrides ...]``: run a job until ``run.total_steps``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from orchestrator.cli.common import actor, console, options, print_json
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from orchestrator.config import RollcallConfig
+    from orchestrator.runner.driver import RunResult
+
+
+def run(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Argument(help="Job config YAML (see configs/).")],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="dotted.key=value overrides, e.g. run.total_steps=50", show_default=False
+        ),
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue the job from its last committed step.")
+    ] = False,
+    live: Annotated[
+        bool, typer.Option("--live/--no-live", help="Live progress panel on a terminal.")
+    ] = True,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Run a job: rollout nodes and the trainer on Ray, the buffer in PostgreSQL."""
+    from orchestrator.config import load_config
+
+    cfg = load_config(config, overrides or [])
+    result = run_job(ctx, cfg, resume=resume, live=live, upgrade_schema=False)
+    report(result, json_out)
+
+
+def run_job(
+    ctx: typer.Context,
+    cfg: RollcallConfig,
+    *,
+    resume: bool,
+    live: bool,
+    upgrade_schema: bool,
+    out: Console | None = None,
+    fresh_name: bool = False,
+) -> RunResult:
+    from orchestrator.db import migrate
+    from orchestrator.db.engine import open_database
+    from orchestrator.runner.driver import JobDriver
+    from orchestrator.settings import rollcall_home
+
+    opts = options(ctx)
+    out = out or console()
+    home = rollcall_home(opts.home)
+    model_dir = resolve_model(cfg, home, out)
+    db_url = cfg.database.url.get_secret_value() if cfg.database.url else None
+    db = open_database(opts.database_url, db_url, home=opts.home, verify_schema=not upgrade_schema)
+    driver = None
+    try:
+        out.print(f"database: {db.describe()}", markup=False)
+        if upgrade_schema:
+            with db.engine.connect() as conn:
+                migrate.upgrade(conn)
+                conn.commit()
+            db.verify_schema()
+        if fresh_name and not resume:
+            cfg = _next_free_name(cfg, db, out)
+        driver = JobDriver(
+            cfg,
+            db,
+            model_dir=model_dir,
+            home=home,
+            resume=resume,
+            console=out,
+            live=live,
+            actor=actor(),
+        )
+        driver.setup()
+        out.print(
+            f"job {cfg.job.name}: {cfg.run.mode} mode, {cfg.rollout.nodes} rollout node(s) x "
+            f"{cfg.rollout.concurrency} agent loops, {cfg.trainer.ranks} trainer rank(s), "
+            f"run directory {driver.run_dir.root}",
+            markup=False,
+        )
+        return driver.run()
+    finally:
+        if driver is not None:
+            driver.close()
+        db.dispose()
+
+
+def _next_free_name(cfg: RollcallConfig, db: Any, out: Console) -> RollcallConfig:
+    """The config with job.name changed to the first ``NAME-k`` not yet trained."""
+    name, k = cfg.job.name, 1
+    with db.transaction() as tx:
+        while (job := tx.jobs.get_by_name(name)) is not None and job.policy_version > 0:
+            k += 1
+            name = f"{cfg.job.name}-{k}"
+    if name != cfg.job.name:
+        out.print(
+            f"job {cfg.job.name!r} has run before; this run is job {name!r} "
+            f"(continue the old one with --resume)",
+            markup=False,
+        )
+        cfg = cfg.model_copy(update={"job": cfg.job.model_copy(update={"name": name})})
+    return cfg
+
+
+def resolve_model(cfg: RollcallConfig, home: Path, out: Console) -> Path:
+    """The configured model folder, or the tiny local model (built when missing)."""
+    from orchestrator.errors import UserError
+
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path).expanduser()
+        if not (path / "config.json").exists():
+            raise UserError(
+                f"model.path {path} holds no transformers model (no config.json); build one with "
+                "`rollcall model init --out DIR` or point model.path at a save_pretrained folder"
+            )
+        return path
+    path = home / "models" / "tiny"
+    if not (path / "config.json").exists():
+        from orchestrator.cli.model import init
+
+        out.print(f"building the tiny model in {path} (once; a few minutes)", markup=False)
+        import os
+        import shutil
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        init(out=tmp)  # exactly `rollcall model init --out DIR` with its defaults
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    return path
+
+
+def report(result: RunResult, json_out: bool) -> None:
+    from dataclasses import asdict
+
+    say = console()
+    if json_out:
+        print_json(asdict(result))
+        return
+    first = result.evals[0]["reward"] if result.evals else {}
+    last = result.evals[-1]["reward"] if result.evals else {}
+    say.print(
+        f"job {result.job}: {result.steps} steps, {result.trained_samples} samples trained this "
+        f"run in {result.wall_s:.0f} s (trainer busy {result.busy_frac:.0%})",
+        markup=False,
+    )
+    for task in sorted(last):
+        say.print(
+            f"  {task}: held-out reward {first.get(task, float('nan')):.3f} -> {last[task]:.3f}",
+            markup=False,
+        )
+    say.print(f"run directory: {result.run_dir}", markup=False)
+    if result.final_dir:
+        say.print(f"final policy (transformers): {result.final_dir}", markup=False)

@@ -1,0 +1,1 @@
+"""Running a job: the driver, its run directory and its live progress."""

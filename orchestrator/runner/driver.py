@@ -1,0 +1,435 @@
+"""The job driver: ``rollcall run`` and ``rollcall quickstart``.
+
+``JobDriver.setup()`` opens the database (and verifies its schema), creates or resumes the job,
+registers the config's tasks with their quotas, starts or joins Ray, builds the trainer (from the
+last checkpoint when resuming), launches the rollout nodes and the evaluator, and starts the
+control-plane scheduler jobs (seeding, lease sweep, staleness expiry). ``run()`` then trains
+until ``run.total_steps``: claim a full batch from the buffer, plan it (advantages, packing),
+train, checkpoint, publish the new weights and commit the step (one transaction: the batch is
+consumed, the step recorded, the policy version bumped, the weights published). Rollout nodes
+pick the new version up between turns. Components get their collaborators passed in; none of
+them knows about the driver.
+
+Modes: ``async`` (rollout never stops; data up to each task's ``max_staleness`` versions old)
+and ``sync`` (the same machinery with every task's staleness bound at 0: the nodes generate one
+batch with the current policy, the trainer trains on it, repeat).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from orchestrator.buffer.service import Buffer
+from orchestrator.config import RollcallConfig
+from orchestrator.db.engine import Database
+from orchestrator.errors import ConflictError, NotFoundError, UserError
+from orchestrator.runner.progress import Progress, Snapshot
+from orchestrator.runner.rundir import RunDir
+
+log = logging.getLogger(__name__)
+WAIT_POLL_S = 0.25
+NODE_STOP_TIMEOUT_S = 60.0
+
+
+@dataclass
+class RunResult:
+    job: str
+    run_dir: str
+    steps: int
+    version: int
+    wall_s: float
+    train_s: float
+    busy_frac: float
+    trained_samples: int
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    final_dir: str | None = None
+    stopped_early: bool = False
+
+
+class JobDriver:
+    def __init__(
+        self,
+        config: RollcallConfig,
+        db: Database,
+        *,
+        model_dir: Path,
+        home: Path,
+        resume: bool = False,
+        console: Console | None = None,
+        live: bool = True,
+        actor: str = "driver",
+    ) -> None:
+        self.cfg = config
+        self.db = db
+        self.model_dir = model_dir
+        self.home = home
+        self.resume = resume
+        self.console = console or Console()
+        self.live = live
+        self.actor = actor
+        self.nodes: list[Any] = []
+        self.node_runs: list[Any] = []
+        self.trainer: Any = None
+        self.evaluator: Any = None
+        self.scheduler: Any = None
+        self.started_ray = False
+        self.pending_evals: list[tuple[int, Any]] = []
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        from orchestrator.services.jobs import create_job
+        from orchestrator.services.tasks import ensure_tasks
+
+        cfg = self.cfg
+        sync = cfg.run.mode == "sync"
+        with self.db.transaction() as tx:
+            job = tx.jobs.get_by_name(cfg.job.name)
+            if job is None and self.resume:
+                raise NotFoundError(
+                    f"job {cfg.job.name!r} does not exist, so there is nothing to resume; "
+                    "drop --resume to start it"
+                )
+            if job is not None and not self.resume and job.policy_version > 0:
+                raise ConflictError(
+                    f"job {cfg.job.name!r} already trained {job.policy_version} steps; pass "
+                    "--resume to continue it, or set job.name to start a new job"
+                )
+            if job is None:
+                job = create_job(
+                    tx, cfg.job.name, config=cfg.model_dump(mode="json"), actor=self.actor
+                )
+            for line in ensure_tasks(
+                tx, job_name=job.name, tasks=cfg.tasks, actor=self.actor, sync=sync
+            ):
+                self.console.print(line, markup=False)
+        if not cfg.tasks:
+            raise UserError("the config has no tasks; add at least one under tasks:")
+        self.job_id = job.id
+        self.buffer = Buffer(self.db, job.id, cfg.buffer)
+        self.run_dir = RunDir(Path(cfg.run.dir) if cfg.run.dir else self.home / "runs" / job.name)
+        self.run_dir.write_config(cfg.model_dump(mode="json"))
+        self._start_ray()
+        self._start_trainer()
+        self._start_nodes()
+        self._start_evaluator()
+        self._start_scheduler()
+
+    def _start_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        if self.cfg.ray.address:
+            ray.init(address=self.cfg.ray.address, log_to_driver=False)
+        else:
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            ray.init(
+                num_cpus=self.cfg.ray.num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
+            self.started_ray = True
+
+    def _start_trainer(self) -> None:
+        from workers.trainer.group import TrainerGroup
+
+        cfg = self.cfg
+        self.trainer = TrainerGroup(
+            cfg.trainer,
+            str(self.model_dir),
+            total_steps=cfg.run.total_steps,
+            seed=cfg.run.seed,
+            temperature=cfg.rollout.temperature,
+        )
+        with self.db.transaction() as tx:
+            state = tx.batches.job_state(self.job_id)
+            self.step = state.policy_version
+            last = tx.batches.last_checkpoint(self.job_id)
+        if self.step > 0:
+            if last is None:
+                raise ConflictError(
+                    f"job {cfg.job.name!r} is at step {self.step} but has no checkpoint to "
+                    "resume the trainer from"
+                )
+            ckpt_step, uri = last
+            self.trainer.load_checkpoint(uri)
+            if ckpt_step + 1 < self.step:
+                self.console.print(
+                    f"warning: the last checkpoint is of step {ckpt_step}; the updates of steps "
+                    f"{ckpt_step + 1}..{self.step - 1} were lost with the trainer (their "
+                    "trajectories stay consumed). Set trainer.checkpoint_every: 1 to lose none.",
+                    markup=False,
+                )
+            self.console.print(f"resumed the trainer from {uri} (step {ckpt_step})", markup=False)
+
+    def _start_nodes(self) -> None:
+        from workers.rollout.agent import Limits
+        from workers.rollout.node import NodeConfig, rollout_actor
+
+        r = self.cfg.rollout
+        actor = rollout_actor(num_cpus=r.cpus_per_node, num_gpus=r.gpus_per_node)
+        url = self.db.url.render_as_string(hide_password=False)
+        for i in range(r.nodes):
+            node = actor.remote(
+                url,
+                self.job_id,
+                NodeConfig(
+                    name=f"rollout-{i}",
+                    model_dir=str(self.model_dir),
+                    concurrency=r.concurrency,
+                    heartbeat_interval_s=r.heartbeat_interval_s,
+                    tool_timeout_s=r.tool_timeout_s,
+                    limits=Limits(
+                        max_tokens_per_turn=r.max_tokens_per_turn,
+                        max_tokens=r.max_tokens,
+                        temperature=r.temperature,
+                    ),
+                    engine=r.engine,
+                    seed=self.cfg.run.seed * 1000 + i,
+                    threads=max(1, int(r.cpus_per_node)),
+                ),
+                self.cfg.buffer,
+            )
+            self.nodes.append(node)
+            self.node_runs.append(node.run.remote())
+
+    def _start_evaluator(self) -> None:
+        from workers.evaluation import evaluator_actor
+
+        r = self.cfg.rollout
+        self.evaluator = evaluator_actor().remote(
+            str(self.model_dir),
+            max_tokens_per_turn=r.max_tokens_per_turn,
+            max_tokens=r.max_tokens,
+            temperature=self.cfg.run.eval.temperature,
+            seed=self.cfg.run.seed + 7,
+        )
+
+    def _start_scheduler(self) -> None:
+        from apscheduler.schedulers.background import BackgroundScheduler
+
+        cp = self.cfg.control_plane
+        s = BackgroundScheduler(daemon=True)
+        jobs = [
+            (self.buffer.seed, cp.seed_interval_s, "seed"),
+            (self.buffer.sweep_expired_leases, cp.lease_sweep_interval_s, "lease-sweep"),
+            (self.buffer.expire_stale, cp.staleness_interval_s, "staleness-expiry"),
+        ]
+        for fn, every, name in jobs:
+            s.add_job(fn, "interval", seconds=every, id=name, max_instances=1, coalesce=True)
+        s.start()
+        self.scheduler = s
+        self.buffer.seed()
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        cfg = self.cfg
+        total = cfg.run.total_steps
+        progress = Progress(self.console, enabled=self.live)
+        started = time.monotonic()
+        train_s = 0.0
+        trained = 0
+        snap = Snapshot(cfg.job.name, cfg.run.mode, self.step, total, self.step, 0.0)
+        stopped_early = False
+        steps_this_run = 0
+        try:
+            if not self.run_dir.records("eval") or self.step == 0:
+                self._evaluate(self.step, None)
+            while self.step < total:
+                self._collect_evals(snap, block=False)
+                batch = self.buffer.claim_batch(self.step, min_groups=cfg.buffer.batch_groups)
+                if not batch.groups:
+                    snap.waiting = "waiting for a full batch from the rollout nodes"
+                    self._refresh(snap, started, train_s, steps_this_run)
+                    progress.update(snap)
+                    time.sleep(WAIT_POLL_S)
+                    continue
+                snap.waiting = ""
+                record = self._train_step(batch)
+                train_s += record["train_s"] + record["publish_s"] + record["checkpoint_s"]
+                trained += batch.num_trajectories
+                steps_this_run += 1
+                self.step += 1
+                record.update(
+                    trained_samples=trained, busy_frac=train_s / (time.monotonic() - started)
+                )
+                self.run_dir.append(record)
+                snap.reward = {
+                    k.split("/", 1)[1]: v for k, v in record.items() if k.startswith("reward/")
+                }
+                snap.mix = {
+                    v["name"]: v["groups"] for v in batch.task_mix.values() if isinstance(v, dict)
+                }
+                snap.staleness_mean = record["staleness_mean"]
+                snap.staleness_max = record["staleness_max"]
+                self._refresh(snap, started, train_s, steps_this_run)
+                progress.step_done(snap)
+                every = cfg.run.eval.every
+                if every and self.step % every == 0 and self.step < total:
+                    self._evaluate(self.step, record.get("weights_uri"))
+        except KeyboardInterrupt:
+            stopped_early = True
+            progress.message(
+                f"interrupted at step {self.step}; continue with `rollcall run CONFIG --resume`"
+            )
+        finally:
+            progress.close()
+        wall = time.monotonic() - started
+        final_dir = None
+        if not stopped_early:
+            self._stop_nodes()
+            published = self.buffer.published_weights()
+            self._evaluate(self.step, published[1] if published else None)
+            self._collect_evals(snap, block=True)
+            final_dir = self.trainer.save_final(str(self.run_dir.final))
+            self.run_dir.plot(f"{cfg.job.name}: held-out reward ({cfg.run.mode})")
+        return RunResult(
+            job=cfg.job.name,
+            run_dir=str(self.run_dir.root),
+            steps=self.step,
+            version=self.step,
+            wall_s=wall,
+            train_s=train_s,
+            busy_frac=train_s / wall if wall > 0 else 0.0,
+            trained_samples=trained,
+            evals=self.run_dir.records("eval"),
+            final_dir=final_dir,
+            stopped_early=stopped_early,
+        )
+
+    def _train_step(self, batch: Any) -> dict[str, Any]:
+        from workers.trainer.batch import plan_step
+
+        cfg = self.cfg.trainer
+        step = batch.step
+        t0 = time.monotonic()
+        plan = plan_step(
+            batch,
+            cfg.loss,
+            ranks=cfg.ranks,
+            micro_batch_tokens=cfg.micro_batch_tokens,
+            mini_batches=cfg.mini_batches,
+        )
+        t1 = time.monotonic()
+        metrics = self.trainer.train(plan)
+        t2 = time.monotonic()
+        last = step + 1 == self.cfg.run.total_steps
+        ckpt = None
+        if (step + 1) % cfg.checkpoint_every == 0 or last:
+            ckpt = self.trainer.save_checkpoint(str(self.run_dir.checkpoint_path(step)), step)
+        t3 = time.monotonic()
+        weights_uri = None
+        if (step + 1) % cfg.sync_every == 0 or last:
+            weights_uri = self.trainer.publish(str(self.run_dir.weights), step + 1)
+        t4 = time.monotonic()
+        record: dict[str, Any] = {
+            "kind": "step",
+            "step": step,
+            "policy_version": step + 1,
+            **plan.metrics,
+            **metrics,
+            "plan_s": t1 - t0,
+            "train_s": t2 - t1,
+            "checkpoint_s": t3 - t2,
+            "publish_s": t4 - t3,
+            "checkpoint_uri": ckpt,
+            "weights_uri": weights_uri,
+            "replayed": batch.replayed,
+            "expired_groups": batch.expired_groups,
+        }
+        self.buffer.commit_step(
+            step,
+            checkpoint_uri=ckpt,
+            weights_uri=weights_uri,
+            metrics={k: v for k, v in record.items() if isinstance(v, int | float)},
+        )
+        record["commit_s"] = time.monotonic() - t4
+        if ckpt is not None:
+            self.run_dir.prune_checkpoints(cfg.keep_checkpoints)
+        self.buffer.seed()  # the consumed groups' admission slots are free again
+        return record
+
+    def _refresh(self, snap: Snapshot, started: float, train_s: float, steps: int) -> None:
+        elapsed = time.monotonic() - started
+        snap.step = snap.version = self.step
+        snap.elapsed_s = elapsed
+        snap.busy_frac = train_s / elapsed if elapsed > 0 else 0.0
+        left = self.cfg.run.total_steps - self.step
+        snap.eta_s = elapsed / steps * left if steps else None
+        snap.depth = self.buffer.depth()
+        snap.nodes = [n for n in self.buffer.node_health() if n["role"] == "rollout"]
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    def _evaluate(self, step: int, location: str | None) -> None:
+        from workers.evaluation import EvalTask
+
+        tasks = [EvalTask(t.name, t.plugin, t.spec) for t in self.cfg.tasks]
+        ref = self.evaluator.evaluate.remote(tasks, self.cfg.run.eval.episodes, step, location)
+        self.pending_evals.append((step, ref))
+
+    def _collect_evals(self, snap: Snapshot, *, block: bool) -> None:
+        import ray
+
+        keep = []
+        for step, ref in self.pending_evals:
+            ready, _ = ray.wait([ref], timeout=None if block else 0)
+            if not ready:
+                keep.append((step, ref))
+                continue
+            reward = ray.get(ref)
+            self.run_dir.append({"kind": "eval", "step": step, "reward": reward})
+            snap.heldout = reward
+        self.pending_evals = keep
+
+    # -- teardown -----------------------------------------------------------------------------
+
+    def _stop_nodes(self) -> None:
+        import ray
+
+        from orchestrator.domain import WorkerStatus
+
+        if not self.nodes:
+            return
+        ids = ray.get([n.worker_id.remote() for n in self.nodes])
+        for n in self.nodes:
+            n.stop.remote()
+        ray.wait(self.node_runs, num_returns=len(self.node_runs), timeout=NODE_STOP_TIMEOUT_S)
+        for n in self.nodes:
+            ray.kill(n)
+        for wid in ids:  # anything still leased goes back to the queue with its checkpoints
+            self.buffer.requeue_worker(wid, WorkerStatus.STOPPED)
+        self.nodes, self.node_runs = [], []
+
+    def close(self) -> None:
+        import ray
+
+        if self.scheduler is not None:
+            self.scheduler.shutdown(wait=False)
+            self.scheduler = None
+        try:
+            self._stop_nodes()
+        except Exception:
+            log.exception("stopping the rollout nodes failed")
+        if self.trainer is not None:
+            try:
+                self.trainer.shutdown()
+            except Exception:
+                log.exception("stopping the trainer failed")
+            self.trainer = None
+        if self.evaluator is not None:
+            ray.kill(self.evaluator)
+            self.evaluator = None
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False

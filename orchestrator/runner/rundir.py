@@ -1,0 +1,85 @@
+"""A job's run directory: what a run leaves behind for people and tools.
+
+config.yaml          the resolved config (database password masked)
+metrics.jsonl        one JSON object per train step and per evaluation
+learning_curve.png   held-out reward per task against step
+weights/vNNNNNN/     published policy versions (the last few)
+checkpoints/step-N/  trainer checkpoints (model, optimizer, scheduler, step)
+final/               the final policy, ``save_pretrained`` format with its tokenizer
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.settings import mask_url
+
+
+class RunDir:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = root / "metrics.jsonl"
+        self.weights = root / "weights"
+        self.checkpoints = root / "checkpoints"
+        self.final = root / "final"
+        self.curve = root / "learning_curve.png"
+
+    def write_config(self, resolved: dict[str, Any]) -> Path:
+        data = json.loads(json.dumps(resolved))  # plain types only
+        url = data.get("database", {}).get("url")
+        if url:
+            data["database"]["url"] = mask_url(url)
+        path = self.root / "config.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        return path
+
+    def append(self, record: dict[str, Any]) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+    def records(self, kind: str | None = None) -> list[dict[str, Any]]:
+        if not self.metrics_path.exists():
+            return []
+        out = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
+        return [r for r in out if kind is None or r.get("kind") == kind]
+
+    def checkpoint_path(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step:06d}"
+
+    def prune_checkpoints(self, keep: int) -> None:
+        found = sorted(p for p in self.checkpoints.glob("step-*") if p.is_dir())
+        for old in found[: max(0, len(found) - keep)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def plot(self, title: str) -> Path | None:
+        """Held-out reward per task against step, from the ``eval`` records."""
+        evals = self.records("eval")
+        if not evals:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        tasks = sorted({t for r in evals for t in r["reward"]})
+        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+        for task in tasks:
+            pts = sorted((r["step"], r["reward"][task]) for r in evals if task in r["reward"])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=task)
+        ax.set_xlabel("step (policy version)")
+        ax.set_ylabel("mean reward, held-out prompts")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(self.curve)
+        plt.close(fig)
+        return self.curve
