@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from orchestrator.algorithms import LossConfig
 from orchestrator.defaults import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_STALENESS, DEFAULT_WEIGHT
@@ -179,6 +187,16 @@ class RollcallConfig(StrictModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     control_plane: ControlPlaneConfig = Field(default_factory=ControlPlaneConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _temperatures(self) -> RollcallConfig:
+        if self.trainer.loss.temperature != self.rollout.temperature:
+            raise ValueError(
+                f"trainer.loss.temperature ({self.trainer.loss.temperature:g}) must equal "
+                f"rollout.temperature ({self.rollout.temperature:g}): the behaviour log-probs "
+                "were computed at the sampling temperature"
+            )
+        return self
 
     @field_validator("tasks")
     @classmethod

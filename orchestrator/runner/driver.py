@@ -114,6 +114,7 @@ class JobDriver:
             raise UserError("the config has no tasks; add at least one under tasks:")
         self.job_id = job.id
         self.buffer = Buffer(self.db, job.id, cfg.buffer)
+        self._recover_previous_run()
         self.run_dir = RunDir(Path(cfg.run.dir) if cfg.run.dir else self.home / "runs" / job.name)
         self.run_dir.write_config(cfg.model_dump(mode="json"))
         self._start_ray()
@@ -121,6 +122,17 @@ class JobDriver:
         self._start_nodes()
         self._start_evaluator()
         self._start_scheduler()
+
+    def _recover_previous_run(self) -> None:
+        """Work a previous driver of this job left behind goes through the normal paths: its
+        workers' leases are requeued (the next claimer resumes from the checkpoints), and a
+        batch claimed but not committed returns to ``ready``, reserved for the same step."""
+        from orchestrator.domain import WorkerStatus
+
+        for w in self.buffer.node_health():
+            if w["status"] in ("starting", "alive"):
+                self.buffer.requeue_worker(w["id"], WorkerStatus.DEAD)
+        self.buffer.release_trainer_claims()
 
     def _start_ray(self) -> None:
         import ray
@@ -354,10 +366,26 @@ class JobDriver:
             metrics={k: v for k, v in record.items() if isinstance(v, int | float)},
         )
         record["commit_s"] = time.monotonic() - t4
+        record.update(self._node_metrics())
         if ckpt is not None:
             self.run_dir.prune_checkpoints(cfg.keep_checkpoints)
         self.buffer.seed()  # the consumed groups' admission slots are free again
         return record
+
+    def _node_metrics(self) -> dict[str, float]:
+        """Weight-load latency and progress of the rollout nodes (their own reports)."""
+        import ray
+
+        try:
+            reports = ray.get([n.report.remote() for n in self.nodes], timeout=10)
+        except Exception:  # a node that does not answer shows up in its heartbeat instead
+            return {}
+        loads = [r["weight_load_s_last"] for r in reports if r["weight_loads"]]
+        return {
+            "weight_load_s_max": max(loads) if loads else 0.0,
+            "node_versions_min": float(min(r["version"] for r in reports)) if reports else 0.0,
+            "tokens_generated": float(sum(r["tokens_generated"] for r in reports)),
+        }
 
     def _refresh(self, snap: Snapshot, started: float, train_s: float, steps: int) -> None:
         elapsed = time.monotonic() - started

@@ -148,3 +148,26 @@ def test_stopped_job_resumes_from_its_last_step(
     _check_invariants(engine, 4, {"calc": 1, "guess": 1})
     uris = [r[0] for r in rows(engine, "SELECT checkpoint_uri FROM train_steps ORDER BY step")]
     assert all(uris) and uris[1].endswith("step-000001")
+
+
+def test_run_refuses_bad_input_and_writes_nothing(
+    cli: Any, db_url: str, tiny_dir: Path, tmp_path: Path
+) -> None:
+    from tests.conftest import snapshot
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(
+        "job: {name: e2e}\n"
+        "tasks: [{name: calc, plugin: calculator}]\n"
+        f"model: {{path: {tiny_dir}}}\n"
+    )
+    before = snapshot(db_url)
+    r = cli("run", str(cfg), "--resume", "--no-live")
+    assert r.code == 3 and "job 'e2e' does not exist" in r.err and "drop --resume" in r.err
+    r = cli("run", str(cfg), f"model.path={tmp_path}", "--no-live")
+    assert r.code == 2 and "holds no transformers model" in r.err
+    r = cli("run", str(cfg), "run.total_steps=0", "--no-live")
+    assert r.code == 2 and "run.total_steps" in r.err
+    r = cli("run", str(cfg), "rollout.temperature=0.5", "--no-live")
+    assert r.code == 2 and "must equal rollout.temperature" in r.err
+    assert snapshot(db_url) == before

@@ -110,3 +110,19 @@ def test_engine_is_chosen_by_kind_and_vllm_fails_clearly_without_vllm(tmp_path: 
     if importlib.util.find_spec("vllm") is None:  # CPU machines: the extra cannot be installed
         with pytest.raises(EngineUnavailable, match=r"pip install 'rollcall\[vllm\]'"):
             make_engine(v, tmp_path)
+
+
+def test_loss_temperature_must_match_the_sampling_temperature(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  temperature: 0.7\n")
+    with pytest.raises(UserError, match=r"trainer.loss.temperature \(1\) must equal"):
+        load_config(p)
+    assert load_config(p, ["trainer.loss.temperature=0.7"]).rollout.temperature == 0.7
+
+
+def test_algorithm_choices_are_named_in_config(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text("trainer:\n  loss:\n    correction: {kind: decoupled, cap: 3}\n")
+    assert load_config(p).trainer.loss.correction.kind == "decoupled"
+    with pytest.raises(UserError, match=r"trainer\.loss\.correction"):
+        load_config(p, ["trainer.loss.correction.kind=vtrace"])

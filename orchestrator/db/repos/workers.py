@@ -99,7 +99,7 @@ class WorkerRepository:
         rows = self.session.execute(
             text(
                 """
-                SELECT DISTINCT ON (name) name, role::text AS role, status::text AS status,
+                SELECT DISTINCT ON (name) id, name, role::text AS role, status::text AS status,
                        incarnation, restarts, loaded_version, tokens_generated,
                        extract(epoch FROM now() - last_heartbeat_at) AS heartbeat_age_s,
                        extract(epoch FROM now() - last_progress_at) AS progress_age_s
