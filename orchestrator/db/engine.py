@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from orchestrator.db.repos.batches import BatchRepository
 from orchestrator.db.repos.episodes import EpisodeRepository
 from orchestrator.db.repos.events import EventRepository
+from orchestrator.db.repos.invariants import InvariantRepository
 from orchestrator.db.repos.jobs import JobRepository
 from orchestrator.db.repos.tasks import TaskRepository
 from orchestrator.db.repos.trajectories import TrajectoryRepository
@@ -61,6 +62,7 @@ class Tx:
     trajectories: TrajectoryRepository
     batches: BatchRepository
     workers: WorkerRepository
+    invariants: InvariantRepository
 
 
 class Database:
@@ -132,6 +134,7 @@ def _tx(session: Session) -> Tx:
         trajectories=TrajectoryRepository(session),
         batches=BatchRepository(session),
         workers=WorkerRepository(session),
+        invariants=InvariantRepository(session),
     )
 
 

@@ -68,7 +68,15 @@ def _run(
         driver.close()
 
 
-def _check_invariants(engine: sa.Engine, steps: int, max_staleness: dict[str, int]) -> None:
+def _check_invariants(
+    engine: sa.Engine, steps: int, max_staleness: dict[str, int], db: Database | None = None
+) -> None:
+    if db is not None:
+        from orchestrator.buffer.invariants import check_invariants
+
+        job_id = scalar(engine, "SELECT id FROM jobs WHERE name = 'e2e'")
+        report = check_invariants(db, job_id)
+        assert report.ok, report.summary()
     # Steps 0..steps-1 committed in order, the version advanced and its weights published.
     assert [r[0] for r in rows(engine, "SELECT step FROM train_steps ORDER BY step")] == list(
         range(steps)
@@ -99,6 +107,40 @@ def _check_invariants(engine: sa.Engine, steps: int, max_staleness: dict[str, in
         assert 0 <= behind <= max_staleness[name]
 
 
+def _invariant_checker_catches_tampering(db: Database, engine: sa.Engine) -> None:
+    """Each check fails on a state that breaks its invariant (then the state is restored)."""
+    from orchestrator.buffer.invariants import check_invariants
+
+    job_id = scalar(engine, "SELECT id FROM jobs WHERE name = 'e2e'")
+    consumed = scalar(engine, "SELECT min(id) FROM episodes WHERE consumed_step IS NOT NULL")
+    tampering = {
+        "staleness": "UPDATE episodes SET min_policy_version = consumed_step - 9 WHERE id = :e",
+        "episode_state": "UPDATE trajectories SET status = 'ready' WHERE episode_id = :e",
+        "trained_once": "UPDATE train_steps SET num_trajectories = num_trajectories + 1 "
+        "WHERE step = 0",
+        "inflight_cap": "UPDATE tasks SET max_inflight = 0",
+    }
+    from orchestrator.db.repos.invariants import CHECKS
+
+    for check, sql in tampering.items():
+        with engine.connect() as conn:
+            tx = conn.begin()  # the tampering is rolled back after the check reads it
+            if check == "inflight_cap":
+                conn.execute(sa.text("ALTER TABLE tasks DROP CONSTRAINT ck_tasks_max_inflight_min"))
+                conn.execute(
+                    sa.text(
+                        "UPDATE episodes SET status = 'leased', lease_owner = "
+                        "(SELECT min(id) FROM workers), lease_expires_at = now() WHERE id = :e"
+                    ),
+                    {"e": consumed},
+                )
+            conn.execute(sa.text(sql), {"e": consumed})
+            got = conn.execute(sa.text(CHECKS[check][1]), {"j": job_id, "limit": 5}).all()
+            tx.rollback()
+        assert got, f"{check} did not catch its violation"
+    assert check_invariants(db, job_id).ok
+
+
 @pytest.mark.timeout(600)
 def test_async_job_trains_publishes_and_keeps_every_trajectory(
     ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
@@ -106,7 +148,8 @@ def test_async_job_trains_publishes_and_keeps_every_trajectory(
     cfg = _config(tmp_path, tiny_dir, total_steps=3)
     result = _run(cfg, db, tiny_dir, tmp_path)
     assert result.steps == 3 and result.trained_samples >= 3 * 2 * 2
-    _check_invariants(engine, 3, {"calc": 1, "guess": 1})
+    _check_invariants(engine, 3, {"calc": 1, "guess": 1}, db)
+    _invariant_checker_catches_tampering(db, engine)
     # The rollout node loaded new versions between turns, and turns record them.
     assert rows(engine, "SELECT max(loaded_version) FROM workers WHERE role = 'rollout'")[0][0] >= 1
     versions = rows(engine, "SELECT DISTINCT unnest(turn_versions) FROM trajectories")
@@ -129,7 +172,7 @@ def test_sync_job_trains_only_on_policy_data(
     cfg = _config(tmp_path, tiny_dir, total_steps=2, mode="sync")
     result = _run(cfg, db, tiny_dir, tmp_path)
     assert result.steps == 2
-    _check_invariants(engine, 2, {"calc": 0, "guess": 0})
+    _check_invariants(engine, 2, {"calc": 0, "guess": 0}, db)
     assert rows(engine, "SELECT DISTINCT max_staleness FROM tasks") == [(0,)]
 
 
@@ -145,7 +188,7 @@ def test_stopped_job_resumes_from_its_last_step(
         _run(_config(tmp_path, tiny_dir, total_steps=4), db, tiny_dir, tmp_path)
     second = _run(_config(tmp_path, tiny_dir, total_steps=4), db, tiny_dir, tmp_path, resume=True)
     assert second.steps == 4
-    _check_invariants(engine, 4, {"calc": 1, "guess": 1})
+    _check_invariants(engine, 4, {"calc": 1, "guess": 1}, db)
     uris = [r[0] for r in rows(engine, "SELECT checkpoint_uri FROM train_steps ORDER BY step")]
     assert all(uris) and uris[1].endswith("step-000001")
 

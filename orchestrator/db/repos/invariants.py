@@ -1,0 +1,99 @@
+"""The queries of the invariant checker: each returns the rows that violate one invariant of
+ARCHITECTURE.md for a job (at most ``limit``), so an empty result means the invariant holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+# name -> (what it checks, the violating rows for job :j)
+CHECKS: dict[str, tuple[str, str]] = {
+    "episode_state": (
+        "every episode is in one state and its samples agree with it",
+        """
+        SELECT e.id, e.status::text AS status, e.consumed_step, count(tr.*) AS samples,
+               count(*) FILTER (WHERE tr.status = 'consumed') AS consumed,
+               count(*) FILTER (WHERE tr.status IN ('ready', 'claimed')) AS finished
+        FROM episodes e LEFT JOIN trajectories tr ON tr.task_id = e.task_id AND tr.episode_id = e.id
+        WHERE e.job_id = :j
+        GROUP BY e.id
+        HAVING (e.consumed_step IS NOT NULL AND (e.status <> 'done'
+                 OR count(*) FILTER (WHERE tr.status = 'consumed') <> e.group_size))
+            OR (e.consumed_step IS NULL AND count(*) FILTER (WHERE tr.status = 'consumed') > 0)
+            OR (e.status = 'done' AND e.consumed_step IS NULL
+                AND count(*) FILTER (WHERE tr.status IN ('ready', 'claimed')) <> e.group_size)
+            OR (e.status IN ('queued', 'leased')
+                AND count(*) FILTER (WHERE tr.status IN ('claimed', 'consumed')) > 0)
+        LIMIT :limit
+        """,
+    ),
+    "trained_once": (
+        "no prompt is trained twice and every consumed sample is counted by exactly one step",
+        """
+        SELECT task_id, prompt_index, count(*) AS consumed_episodes FROM episodes
+        WHERE job_id = :j AND consumed_step IS NOT NULL
+        GROUP BY task_id, prompt_index HAVING count(*) > 1
+        UNION ALL
+        SELECT NULL, NULL, abs(
+            (SELECT coalesce(sum(num_trajectories), 0) FROM train_steps WHERE job_id = :j) -
+            (SELECT count(*) FROM trajectories tr JOIN episodes e
+               ON e.id = tr.episode_id AND e.task_id = tr.task_id
+             WHERE e.job_id = :j AND tr.status = 'consumed'))
+        WHERE (SELECT coalesce(sum(num_trajectories), 0) FROM train_steps WHERE job_id = :j) <>
+              (SELECT count(*) FROM trajectories tr JOIN episodes e
+                 ON e.id = tr.episode_id AND e.task_id = tr.task_id
+               WHERE e.job_id = :j AND tr.status = 'consumed')
+        LIMIT :limit
+        """,
+    ),
+    "staleness": (
+        "nothing was trained beyond its task's staleness bound",
+        """
+        SELECT e.id, t.name, e.consumed_step, e.min_policy_version, t.max_staleness
+        FROM episodes e JOIN tasks t ON t.id = e.task_id
+        WHERE e.job_id = :j AND e.consumed_step IS NOT NULL
+          AND e.consumed_step - e.min_policy_version > t.max_staleness
+        LIMIT :limit
+        """,
+    ),
+    "dead_leases": (
+        "no lease is held by a worker that is dead, failed or stopped",
+        """
+        SELECT e.id, e.lease_owner, w.status::text AS worker_status FROM episodes e
+        JOIN workers w ON w.id = e.lease_owner
+        WHERE e.job_id = :j AND e.status = 'leased' AND w.status IN ('dead', 'failed', 'stopped')
+        LIMIT :limit
+        """,
+    ),
+    "inflight_cap": (
+        "no task has more episodes leased than its max_inflight",
+        """
+        SELECT t.name, count(e.*) AS leased, t.max_inflight FROM tasks t
+        JOIN episodes e ON e.task_id = t.id AND e.status = 'leased'
+        WHERE t.job_id = :j GROUP BY t.id HAVING count(e.*) > t.max_inflight
+        LIMIT :limit
+        """,
+    ),
+    "expired_requeued": (
+        "every expired episode's prompt was queued again as a newer episode",
+        """
+        SELECT e.id, e.task_id, e.prompt_index FROM episodes e
+        WHERE e.job_id = :j AND e.status = 'expired' AND NOT EXISTS (
+            SELECT 1 FROM episodes n WHERE n.task_id = e.task_id
+              AND n.prompt_index = e.prompt_index AND n.id > e.id)
+        LIMIT :limit
+        """,
+    ),
+}
+
+
+class InvariantRepository:
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def violations(self, job_id: int, check: str, limit: int = 20) -> list[dict[str, Any]]:
+        sql = CHECKS[check][1]
+        rows = self.session.execute(text(sql), {"j": job_id, "limit": limit}).all()
+        return [dict(r._asdict()) for r in rows]
