@@ -76,6 +76,28 @@ class BufferConfig(StrictModel):
     claim_window_s: float = Field(
         default=120.0, gt=0, description="time constant of the recent-claims score (fair share)"
     )
+    retry_window_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="how long a database operation is retried during an outage (< lease_s); "
+        "default min(30, lease_s / 2)",
+    )
+
+    @property
+    def retry_window(self) -> float:
+        if self.retry_window_s is not None:
+            return self.retry_window_s
+        return min(30.0, self.lease_s / 2)
+
+    @model_validator(mode="after")
+    def _retry_within_lease(self) -> BufferConfig:
+        if self.retry_window_s is not None and self.retry_window_s >= self.lease_s:
+            raise ValueError(
+                f"buffer.retry_window_s ({self.retry_window_s:g}) must be less than "
+                f"buffer.lease_s ({self.lease_s:g}): an outage the writers ride out must not "
+                "expire the leases they hold"
+            )
+        return self
 
 
 class HFEngineConfig(StrictModel):
@@ -126,6 +148,10 @@ class RolloutConfig(StrictModel):
     temperature: float = Field(default=1.0, gt=0)
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     tool_timeout_s: float = Field(default=5.0, gt=0)
+    max_restarts: int = Field(default=5, ge=0, description="restarts of one node slot")
+    restart_backoff_s: float = Field(
+        default=1.0, gt=0, description="first restart delay; doubles per restart, capped at 30 s"
+    )
 
 
 class TrainerConfig(StrictModel):
@@ -147,15 +173,24 @@ class TrainerConfig(StrictModel):
     keep_checkpoints: int = Field(default=2, ge=1)
     sync_every: int = Field(default=1, ge=1, description="steps between weight publications")
     keep_weights: int = Field(default=3, ge=1)
+    max_restarts: int = Field(default=3, ge=0, description="trainer restarts before giving up")
     loss: LossConfig = Field(default_factory=LossConfig)
 
 
 class ControlPlaneConfig(StrictModel):
-    """The scheduler jobs of the driver (APScheduler)."""
+    """The scheduler jobs of the driver (APScheduler). A dead or hung rollout node is declared
+    dead within heartbeat_interval_s + heartbeat_timeout_s + dead_sweep_interval_s (a hung
+    engine that still beats: progress_timeout_s + dead_sweep_interval_s)."""
 
     seed_interval_s: float = Field(default=1.0, gt=0)
     lease_sweep_interval_s: float = Field(default=5.0, gt=0)
     staleness_interval_s: float = Field(default=5.0, gt=0)
+    dead_sweep_interval_s: float = Field(default=1.0, gt=0)
+    heartbeat_timeout_s: float = Field(default=10.0, gt=0)
+    progress_timeout_s: float = Field(
+        default=30.0, gt=0, description="a rollout node generating nothing this long is hung"
+    )
+    supervise_interval_s: float = Field(default=1.0, gt=0)
 
 
 class EvalConfig(StrictModel):
@@ -187,6 +222,21 @@ class RollcallConfig(StrictModel):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     control_plane: ControlPlaneConfig = Field(default_factory=ControlPlaneConfig)
     run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> RollcallConfig:
+        cp, r = self.control_plane, self.rollout
+        if cp.heartbeat_timeout_s <= 2 * r.heartbeat_interval_s:
+            raise ValueError(
+                "control_plane.heartbeat_timeout_s must exceed twice rollout.heartbeat_interval_s "
+                "(one late beat must not kill a node)"
+            )
+        if cp.progress_timeout_s <= r.tool_timeout_s + cp.heartbeat_timeout_s:
+            raise ValueError(
+                "control_plane.progress_timeout_s must exceed rollout.tool_timeout_s + "
+                "control_plane.heartbeat_timeout_s (agent loops wait on tools)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _temperatures(self) -> RollcallConfig:

@@ -43,6 +43,7 @@ from orchestrator.config import BufferConfig
 from orchestrator.db.engine import Database, Tx
 from orchestrator.db.repos.episodes import LeasedRow
 from orchestrator.db.repos.workers import WorkerView
+from orchestrator.db.retry import retry_transient
 from orchestrator.domain import WorkerRole, WorkerStatus
 from orchestrator.errors import ConflictError, StaleLeaseError
 from orchestrator.quotas import SeedInput, allocate_batch, claim_order, seed_counts
@@ -62,6 +63,14 @@ class StepCommit:
     already_committed: bool
 
 
+@dataclass(frozen=True)
+class DeadWorker:
+    worker_id: int
+    name: str
+    reason: str
+    swept: SweepResult
+
+
 class Buffer:
     def __init__(
         self,
@@ -73,10 +82,13 @@ class Buffer:
         self.db = db
         self.job_id = job_id
         self.config = config or BufferConfig()
+        self.retry_window_s = self.config.retry_window
+        self._last_dead_sweep: Any = None
         self._plugins = plugins
 
     # -- control plane ------------------------------------------------------------------------
 
+    @retry_transient
     def seed(self) -> dict[str, int]:
         """Queue episodes for every active task up to its admission cap. Returns per task
         name the number of episodes added."""
@@ -104,12 +116,14 @@ class Buffer:
                 added[r.name] = n
         return added
 
+    @retry_transient
     def sweep_expired_leases(self) -> SweepResult:
         """Requeue (or quarantine) every episode whose lease expired on the database clock."""
         with self.db.transaction() as tx:
             rows = tx.episodes.lock_expired_leases(self.job_id)
             return self._requeue(tx, rows, "lease expired")
 
+    @retry_transient
     def requeue_worker(
         self, worker_id: int, status: WorkerStatus = WorkerStatus.DEAD
     ) -> SweepResult:
@@ -119,6 +133,46 @@ class Buffer:
             rows = tx.episodes.lock_worker_leases(worker_id)
             return self._requeue(tx, rows, f"worker {worker_id} {status.value}")
 
+    @retry_transient
+    def sweep_dead_workers(
+        self, heartbeat_timeout_s: float, progress_timeout_s: float
+    ) -> list[DeadWorker]:
+        """Declare dead every live worker of the job whose heartbeat (or, for a rollout node,
+        whose generation progress) is older than its timeout on the database clock, and
+        requeue its leases. After a gap in this sweep's own runs longer than half the heartbeat
+        timeout (a database outage: nobody could beat), nobody is declared dead this round,
+        so workers get to beat again first."""
+        with self.db.transaction() as tx:
+            now = tx.workers.db_now()
+            last, self._last_dead_sweep = self._last_dead_sweep, now
+            if last is not None and (now - last).total_seconds() > heartbeat_timeout_s / 2:
+                return []
+            dead = []
+            for w in tx.workers.lock_overdue(self.job_id, heartbeat_timeout_s, progress_timeout_s):
+                tx.workers.set_status(w["id"], WorkerStatus.DEAD)
+                swept = self._requeue(
+                    tx,
+                    tx.episodes.lock_worker_leases(w["id"]),
+                    f"worker {w['name']} dead ({w['reason']})",
+                )
+                tx.events.add(
+                    "worker.dead",
+                    ACTOR,
+                    f"worker {w['name']} (incarnation {w['incarnation']}) declared dead: "
+                    f"{w['reason']}; {swept.requeued} leases requeued",
+                    job_id=self.job_id,
+                    payload={**w, "requeued": swept.requeued, "quarantined": swept.quarantined},
+                )
+                dead.append(DeadWorker(w["id"], w["name"], w["reason"], swept))
+            return dead
+
+    @retry_transient
+    def event(self, kind: str, message: str, payload: dict[str, Any] | None = None) -> None:
+        """Record a control-plane event for operators."""
+        with self.db.transaction() as tx:
+            tx.events.add(kind, ACTOR, message, job_id=self.job_id, payload=payload or {})
+
+    @retry_transient
     def release_trainer_claims(self) -> int:
         """Claimed trajectories of an uncommitted step back to ``ready`` (trainer died); the
         step's reservation stays, so the restarted trainer replays the same batch."""
@@ -149,36 +203,50 @@ class Buffer:
 
     # -- rollout side --------------------------------------------------------------------------
 
+    @retry_transient
     def register_worker(
         self, name: str, role: WorkerRole = WorkerRole.ROLLOUT, **info: Any
     ) -> WorkerView:
         with self.db.transaction() as tx:
             return tx.workers.register(job_id=self.job_id, role=role, name=name, **info)
 
+    @retry_transient
     def heartbeat(
         self, worker_id: int, tokens_generated: int = 0, loaded_version: int | None = None
     ) -> list[tuple[int, int]]:
         """Liveness plus lease renewal. Returns the (episode, epoch) leases still held; a
         lease missing from the list has moved on and its work must be abandoned."""
+        return self.beat(worker_id, tokens_generated, loaded_version)[1]
+
+    @retry_transient
+    def beat(
+        self, worker_id: int, tokens_generated: int = 0, loaded_version: int | None = None
+    ) -> tuple[bool, list[tuple[int, int]]]:
+        """``heartbeat`` that also says whether the worker is still alive: False once it has
+        been declared dead (it must stop; a new incarnation takes its place)."""
         with self.db.transaction() as tx:
             if not tx.workers.heartbeat(worker_id, tokens_generated, loaded_version):
-                return []
-            return tx.episodes.renew(worker_id, self.config.lease_s)
+                return False, []
+            return True, tx.episodes.renew(worker_id, self.config.lease_s)
 
+    @retry_transient
     def published_weights(self) -> tuple[int, str] | None:
         """(version, location) of the latest published weights, or None before the first."""
         with self.db.transaction() as tx:
             return tx.batches.published_weights(self.job_id)
 
+    @retry_transient
     def node_health(self) -> list[dict[str, Any]]:
         with self.db.transaction() as tx:
             return tx.workers.health(self.job_id)
 
+    @retry_transient
     def depth(self) -> dict[str, int]:
         """Episodes of the job by status (``done`` split into ``ready`` and ``consumed``)."""
         with self.db.transaction() as tx:
             return tx.episodes.depth(self.job_id)
 
+    @retry_transient
     def claim(self, worker_id: int) -> ClaimedEpisode | None:
         """Lease one episode for the worker, or None when no task has claimable work."""
         # Autocommit: each claim attempt is one statement and one transaction, so a task's
@@ -219,10 +287,12 @@ class Buffer:
             samples=samples,
         )
 
+    @retry_transient
     def checkpoint(self, lease: Lease, sample_index: int, payload: TrajectoryPayload) -> None:
         """Record a trajectory's progress after a turn. Fenced by the lease epoch."""
         self._write_one(lease, sample_index, payload, None, None)
 
+    @retry_transient
     def commit(
         self,
         lease: Lease,
@@ -234,6 +304,7 @@ class Buffer:
         """Commit a finished trajectory as ``ready`` with its reward (idempotent, fenced)."""
         return self._write_one(lease, sample_index, payload, reward, reward_info)
 
+    @retry_transient
     def commit_many(
         self,
         lease: Lease,
@@ -242,6 +313,7 @@ class Buffer:
         """Commit several finished samples of one group in one transaction."""
         return self._commit_group(lease, list(samples))
 
+    @retry_transient
     def release(self, lease: Lease, error: str) -> SweepResult:
         """The worker gives the episode up (e.g. its engine failed): requeue or quarantine."""
         with self.db.transaction() as tx:
@@ -325,6 +397,7 @@ class Buffer:
 
     # -- trainer side ---------------------------------------------------------------------------
 
+    @retry_transient
     def expire_stale(self) -> dict[str, int]:
         """Expire finished groups older than their task's staleness bound (their prompts are
         queued again); per task name, the groups expired. Claims do this too; the control
@@ -343,6 +416,7 @@ class Buffer:
             tx.episodes.bump_task_counter(task_id, "expired_groups", n)
         return {names.get(t, str(t)): n for t, n in expired.items()}
 
+    @retry_transient
     def claim_batch(self, step: int, min_groups: int = 0) -> Batch:
         """Claim the batch for ``step`` (or replay the one already reserved for it). With
         ``min_groups``, nothing is reserved unless at least that many groups are available
@@ -403,6 +477,7 @@ class Buffer:
             groups = tx.batches.load_groups(ids)
             return Batch(step, job.policy_version, tuple(groups), mix, False, expired_by_task)
 
+    @retry_transient
     def commit_step(
         self,
         step: int,

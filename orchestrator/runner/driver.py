@@ -74,8 +74,8 @@ class JobDriver:
         self.console = console or Console()
         self.live = live
         self.actor = actor
-        self.nodes: list[Any] = []
-        self.node_runs: list[Any] = []
+        self.supervisor: Any = None
+        self.trainer_restarts = 0
         self.trainer: Any = None
         self.evaluator: Any = None
         self.scheduler: Any = None
@@ -161,6 +161,8 @@ class JobDriver:
             total_steps=cfg.run.total_steps,
             seed=cfg.run.seed,
             temperature=cfg.rollout.temperature,
+            database_url=self.db.url.render_as_string(hide_password=False),
+            job_id=self.job_id,
         )
         with self.db.transaction() as tx:
             state = tx.batches.job_state(self.job_id)
@@ -183,36 +185,86 @@ class JobDriver:
                 )
             self.console.print(f"resumed the trainer from {uri} (step {ckpt_step})", markup=False)
 
+    def _recover_trainer(self, error: BaseException) -> None:
+        """A rank died (or a collective failed): kill the group, return the uncommitted batch's
+        claims, and start a new group from the last committed checkpoint; the loop then
+        replays the same batch for the same step."""
+        from orchestrator.domain import WorkerStatus
+
+        self.trainer_restarts += 1
+        budget = self.cfg.trainer.max_restarts
+        old = self.trainer
+        old.kill()
+        for wid in old.worker_ids:
+            self.buffer.requeue_worker(wid, WorkerStatus.DEAD)
+        released = self.buffer.release_trainer_claims()
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        if self.trainer_restarts > budget:
+            self.buffer.event(
+                "trainer.failed",
+                f"trainer failed {self.trainer_restarts} times (budget {budget}): {reason}",
+                {"step": self.step, "reason": reason},
+            )
+            raise error
+        self.console.print(
+            f"trainer failed at step {self.step} ({reason}); restarting from the last "
+            f"checkpoint (restart {self.trainer_restarts}/{budget})",
+            markup=False,
+        )
+        t0 = time.monotonic()
+        self._start_trainer()
+        self.buffer.event(
+            "trainer.restarted",
+            f"trainer restarted at step {self.step} in {time.monotonic() - t0:.1f} s "
+            f"({released} claimed trajectories returned for replay): {reason}",
+            {"step": self.step, "reason": reason, "restart": self.trainer_restarts},
+        )
+
     def _start_nodes(self) -> None:
+        from orchestrator.runner.supervisor import Supervisor
+
+        r = self.cfg.rollout
+        self.supervisor = Supervisor(
+            self.buffer,
+            self._make_node,
+            nodes=r.nodes,
+            max_restarts=r.max_restarts,
+            backoff_base_s=r.restart_backoff_s,
+            say=lambda m: self.console.print(m, markup=False),
+        )
+        self._last_supervised = time.monotonic()
+
+    def _make_node(self, index: int) -> Any:
         from workers.rollout.agent import Limits
         from workers.rollout.node import NodeConfig, rollout_actor
 
         r = self.cfg.rollout
         actor = rollout_actor(num_cpus=r.cpus_per_node, num_gpus=r.gpus_per_node)
-        url = self.db.url.render_as_string(hide_password=False)
-        for i in range(r.nodes):
-            node = actor.remote(
-                url,
-                self.job_id,
-                NodeConfig(
-                    name=f"rollout-{i}",
-                    model_dir=str(self.model_dir),
-                    concurrency=r.concurrency,
-                    heartbeat_interval_s=r.heartbeat_interval_s,
-                    tool_timeout_s=r.tool_timeout_s,
-                    limits=Limits(
-                        max_tokens_per_turn=r.max_tokens_per_turn,
-                        max_tokens=r.max_tokens,
-                        temperature=r.temperature,
-                    ),
-                    engine=r.engine,
-                    seed=self.cfg.run.seed * 1000 + i,
-                    threads=max(1, int(r.cpus_per_node)),
+        return actor.remote(
+            self.db.url.render_as_string(hide_password=False),
+            self.job_id,
+            NodeConfig(
+                name=f"rollout-{index}",
+                model_dir=str(self.model_dir),
+                concurrency=r.concurrency,
+                heartbeat_interval_s=r.heartbeat_interval_s,
+                tool_timeout_s=r.tool_timeout_s,
+                limits=Limits(
+                    max_tokens_per_turn=r.max_tokens_per_turn,
+                    max_tokens=r.max_tokens,
+                    temperature=r.temperature,
                 ),
-                self.cfg.buffer,
-            )
-            self.nodes.append(node)
-            self.node_runs.append(node.run.remote())
+                engine=r.engine,
+                seed=self.cfg.run.seed * 1000 + index,
+                threads=max(1, int(r.cpus_per_node)),
+            ),
+            self.cfg.buffer,
+        )
+
+    def _supervise(self) -> None:
+        if time.monotonic() - self._last_supervised >= self.cfg.control_plane.supervise_interval_s:
+            self._last_supervised = time.monotonic()
+            self.supervisor.check()
 
     def _start_evaluator(self) -> None:
         from workers.evaluation import evaluator_actor
@@ -235,12 +287,21 @@ class JobDriver:
             (self.buffer.seed, cp.seed_interval_s, "seed"),
             (self.buffer.sweep_expired_leases, cp.lease_sweep_interval_s, "lease-sweep"),
             (self.buffer.expire_stale, cp.staleness_interval_s, "staleness-expiry"),
+            (self._sweep_dead, cp.dead_sweep_interval_s, "dead-worker-sweep"),
         ]
         for fn, every, name in jobs:
             s.add_job(fn, "interval", seconds=every, id=name, max_instances=1, coalesce=True)
         s.start()
         self.scheduler = s
         self.buffer.seed()
+
+    def _sweep_dead(self) -> None:
+        cp = self.cfg.control_plane
+        for d in self.buffer.sweep_dead_workers(cp.heartbeat_timeout_s, cp.progress_timeout_s):
+            self.console.print(
+                f"{d.name}: declared dead ({d.reason}); {d.swept.requeued} leases requeued",
+                markup=False,
+            )
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -258,6 +319,7 @@ class JobDriver:
             if not self.run_dir.records("eval") or self.step == 0:
                 self._evaluate(self.step, None)
             while self.step < total:
+                self._supervise()
                 self._collect_evals(snap, block=False)
                 batch = self.buffer.claim_batch(self.step, min_groups=cfg.buffer.batch_groups)
                 if not batch.groups:
@@ -267,7 +329,13 @@ class JobDriver:
                     time.sleep(WAIT_POLL_S)
                     continue
                 snap.waiting = ""
-                record = self._train_step(batch)
+                try:
+                    record = self._train_step(batch)
+                except Exception as e:
+                    if not _is_trainer_failure(e):
+                        raise
+                    self._recover_trainer(e)
+                    continue
                 train_s += record["train_s"] + record["publish_s"] + record["checkpoint_s"]
                 trained += batch.num_trajectories
                 steps_this_run += 1
@@ -377,7 +445,7 @@ class JobDriver:
         import ray
 
         try:
-            reports = ray.get([n.report.remote() for n in self.nodes], timeout=10)
+            reports = ray.get([n.report.remote() for n in self.supervisor.actors], timeout=10)
         except Exception:  # a node that does not answer shows up in its heartbeat instead
             return {}
         loads = [r["weight_load_s_last"] for r in reports if r["weight_loads"]]
@@ -423,21 +491,13 @@ class JobDriver:
     # -- teardown -----------------------------------------------------------------------------
 
     def _stop_nodes(self) -> None:
-        import ray
-
         from orchestrator.domain import WorkerStatus
 
-        if not self.nodes:
+        if self.supervisor is None:
             return
-        ids = ray.get([n.worker_id.remote() for n in self.nodes])
-        for n in self.nodes:
-            n.stop.remote()
-        ray.wait(self.node_runs, num_returns=len(self.node_runs), timeout=NODE_STOP_TIMEOUT_S)
-        for n in self.nodes:
-            ray.kill(n)
-        for wid in ids:  # anything still leased goes back to the queue with its checkpoints
+        for wid in self.supervisor.stop():  # anything still leased goes back to the queue
             self.buffer.requeue_worker(wid, WorkerStatus.STOPPED)
-        self.nodes, self.node_runs = [], []
+        self.supervisor = None
 
     def close(self) -> None:
         import ray
@@ -461,3 +521,11 @@ class JobDriver:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+
+
+def _is_trainer_failure(e: BaseException) -> bool:
+    """A failure of the trainer's processes (a dead rank, a failed collective), as opposed to
+    a bug in the driver or the database being down."""
+    import ray.exceptions
+
+    return isinstance(e, ray.exceptions.RayError)

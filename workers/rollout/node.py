@@ -34,6 +34,7 @@ from orchestrator.db.engine import open_database
 from orchestrator.errors import StaleLeaseError
 from tasks import registry
 from workers.rollout.agent import AgentLoop, Limits, Trajectory
+from workers.rollout.engines.base import GenerationRequest
 from workers.rollout.engines.batching import BatchingEngine
 from workers.rollout.engines.factory import make_engine
 from workers.rollout.tools import ToolRunner
@@ -95,6 +96,7 @@ class RolloutNode:
         self._lost: set[tuple[int, int]] = set()
         self._active: set[tuple[int, int]] = set()
         self._stop = threading.Event()
+        self.declared_dead = False
         self._reported_tokens = 0
         self._sync_weights()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
@@ -250,18 +252,31 @@ class RolloutNode:
 
     def _beat_once(self) -> None:
         tokens = self.base_engine.health().tokens_generated
-        held = set(
-            self.buffer.heartbeat(
-                self.worker.id, tokens - self._reported_tokens, loaded_version=self.engine.version
-            )
+        alive, leases = self.buffer.beat(
+            self.worker.id, tokens - self._reported_tokens, loaded_version=self.engine.version
         )
+        held = set(leases)
         self._reported_tokens = tokens
         with self._lock:
             self._lost |= {k for k in self._active if k not in held}
+        if not alive:  # declared dead (e.g. after a hang): stop; a new incarnation takes over
+            log.warning("worker %s was declared dead; stopping", self.worker.id)
+            self.declared_dead = True
+            self._stop.set()
+
+    def _probe(self) -> None:
+        """When idle, a one-token generation proves the engine still works (progress); a hung
+        engine blocks this thread, so its heartbeats stop and the node is declared dead."""
+        with self._lock:
+            idle = not self._active
+        if idle:
+            eos = self.tokenizer.eos_token_id or 0
+            self.engine.generate([GenerationRequest([eos], max_new_tokens=1)])
 
     def _beat(self) -> None:
         while not self._stop.wait(self.config.heartbeat_interval_s):
             try:
+                self._probe()
                 self._beat_once()
                 self._sync_weights()
             except Exception:  # a missed beat is survivable; the lease budget covers it
@@ -280,10 +295,11 @@ def _ray_node_id() -> str | None:
 
 
 def rollout_actor(num_cpus: float = 1.0, num_gpus: float = 0.0) -> Any:
-    """The Ray actor class for rollout nodes (restartable: state is rebuilt from the DB).
-    Threaded, so ``stop``, ``report`` and ``load_weights`` run while ``run`` does."""
+    """The Ray actor class for rollout nodes. Threaded, so ``stop``, ``report`` and
+    ``load_weights`` run while ``run`` does. Ray does not restart it: the driver's supervisor
+    does, with backoff and a budget (a new incarnation rebuilds from the database)."""
     import ray
 
     return ray.remote(  # type: ignore[call-overload]
-        num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=-1, max_task_retries=0, max_concurrency=8
+        num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0, max_concurrency=8
     )(RolloutNode)

@@ -25,6 +25,8 @@ class TrainerGroup:
         total_steps: int,
         seed: int = 0,
         temperature: float = 1.0,
+        database_url: str | None = None,
+        job_id: int | None = None,
     ) -> None:
         import ray
 
@@ -43,12 +45,15 @@ class TrainerGroup:
             device=config.device,
             seed=seed,
             threads=max(1, int(config.cpus_per_rank)),
+            database_url=database_url,
+            job_id=job_id,
         )
         actor = trainer_actor(config.cpus_per_rank, 1.0 if config.device == "cuda" else 0.0)
         world = config.ranks
         self.ranks = [actor.remote(r, world, settings) for r in range(world)]
         master = ray.get(self.ranks[0].address.remote())
         self.info = ray.get([r.setup.remote(master) for r in self.ranks])
+        self.worker_ids = [i["worker_id"] for i in self.info if i["worker_id"] is not None]
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         import ray
@@ -85,10 +90,17 @@ class TrainerGroup:
         return str(self._all("save_final", out)[0])
 
     def shutdown(self) -> None:
-        import ray
-
         try:
             self._all("shutdown")
         finally:
-            for r in self.ranks:
-                ray.kill(r)
+            self.kill()
+
+    def kill(self) -> None:
+        """Kill every rank now (after one died: the others may be stuck in a collective)."""
+        import contextlib
+
+        import ray
+
+        for r in self.ranks:
+            with contextlib.suppress(Exception):
+                ray.kill(r, no_restart=True)

@@ -11,10 +11,12 @@ a one-token forward and backward with zero loss so the collectives still match.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
 import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,9 @@ class RankSettings:
     seed: int = 0
     threads: int = 1
     log_entropy: bool = True
+    database_url: str | None = None  # with job_id: the rank registers and heartbeats
+    job_id: int | None = None
+    heartbeat_interval_s: float = 2.0
 
 
 def lr_factor(update: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -59,6 +64,8 @@ class TrainerRank:
         self.model: Any = None
         self.ref: Any = None
         self.updates = 0
+        self.worker_id: int | None = None
+        self._stop = threading.Event()
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -118,7 +125,39 @@ class TrainerRank:
             ),
         )
         params = sum(p.numel() for p in self.model.parameters())
-        return {"rank": self.rank, "parameters_local": params, "pid": os.getpid()}
+        self._register()
+        return {
+            "rank": self.rank,
+            "parameters_local": params,
+            "pid": os.getpid(),
+            "worker_id": self.worker_id,
+        }
+
+    def _register(self) -> None:
+        """A worker row for this rank, kept alive by a heartbeat thread (operators and drills
+        see trainer ranks like rollout nodes)."""
+        s = self.settings
+        if s.database_url is None or s.job_id is None:
+            return
+        from orchestrator.buffer.service import Buffer
+        from orchestrator.db.engine import open_database
+        from orchestrator.domain import WorkerRole
+
+        self.buffer = Buffer(open_database(s.database_url, pool_size=1), s.job_id)
+        self.worker_id = self.buffer.register_worker(
+            f"trainer-{self.rank}",
+            role=WorkerRole.TRAINER,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        ).id
+
+        def beat() -> None:
+            while not self._stop.wait(s.heartbeat_interval_s):
+                # a missed beat only costs visibility: a trainer rank holds no leases
+                with contextlib.suppress(Exception):
+                    self.buffer.beat(self.worker_id or 0)
+
+        threading.Thread(target=beat, name="heartbeat", daemon=True).start()
 
     # -- training -----------------------------------------------------------------------------
 
@@ -312,6 +351,11 @@ class TrainerRank:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        self._stop.set()
+        if self.worker_id is not None:
+            from orchestrator.domain import WorkerStatus
+
+            self.buffer.requeue_worker(self.worker_id, WorkerStatus.STOPPED)
         if dist.is_initialized():
             dist.destroy_process_group()
 

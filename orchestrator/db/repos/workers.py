@@ -93,6 +93,50 @@ class WorkerRepository:
             {"w": worker_id, "s": status.value},
         )
 
+    def db_now(self) -> Any:
+        return self.session.execute(text("SELECT now()")).scalar_one()
+
+    def lock_overdue(
+        self, job_id: int, heartbeat_timeout_s: float, progress_timeout_s: float
+    ) -> list[dict[str, Any]]:
+        """Live workers whose heartbeat, or (rollout nodes) generation progress, is overdue."""
+        rows = self.session.execute(
+            text(
+                """
+                SELECT id, name, role::text AS role, incarnation,
+                       extract(epoch FROM now() - last_heartbeat_at) AS heartbeat_age_s,
+                       extract(epoch FROM now() - last_progress_at) AS progress_age_s
+                FROM workers
+                WHERE job_id = :j AND status IN ('starting', 'alive')
+                  AND (now() - last_heartbeat_at > make_interval(secs => :hb)
+                       OR (role = 'rollout'
+                           AND now() - last_progress_at > make_interval(secs => :pg)))
+                ORDER BY id FOR UPDATE SKIP LOCKED
+                """
+            ),
+            {"j": job_id, "hb": heartbeat_timeout_s, "pg": progress_timeout_s},
+        ).all()
+        out = []
+        for r in rows:
+            hb, pg = float(r.heartbeat_age_s), float(r.progress_age_s)
+            reason = (
+                f"no heartbeat for {hb:.1f} s"
+                if hb > heartbeat_timeout_s
+                else f"no generation progress for {pg:.1f} s"
+            )
+            out.append(
+                {
+                    "id": r.id,
+                    "name": r.name,
+                    "role": r.role,
+                    "incarnation": r.incarnation,
+                    "heartbeat_age_s": round(hb, 3),
+                    "progress_age_s": round(pg, 3),
+                    "reason": reason,
+                }
+            )
+        return out
+
     def health(self, job_id: int) -> list[dict[str, Any]]:
         """The latest incarnation of every worker slot of the job, with its heartbeat and
         progress ages on the database clock."""

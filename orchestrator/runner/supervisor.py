@@ -1,0 +1,164 @@
+"""The rollout nodes' supervisor: restarts dead nodes with exponential backoff and a budget.
+
+A node is down when its actor died (its ``run`` call failed: SIGKILL, lost Ray node), when it
+stopped because the database declared it dead, or when the database declared it dead while the
+actor still exists (a hang: SIGSTOP, a deadlocked engine). The supervisor kills what is left of
+it, makes sure its leases are requeued (the next claimer resumes from the checkpoints), and
+starts a new incarnation of the same slot after ``backoff_base_s * 2^(restarts-1)`` seconds
+(capped). A slot that needs more than ``max_restarts`` restarts is marked failed, with an event;
+the job goes on with the other nodes. Recovery goes through the normal path: the new actor
+registers a new worker incarnation and takes work from the buffer like any node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.buffer.service import Buffer
+from orchestrator.domain import WorkerStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Slot:
+    name: str
+    index: int
+    actor: Any = None
+    run_ref: Any = None
+    worker_ref: Any = None
+    worker_id: int | None = None
+    restarts: int = 0
+    next_start_at: float = 0.0
+    failed: bool = False
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Supervisor:
+    def __init__(
+        self,
+        buffer: Buffer,
+        start_node: Callable[[int], Any],
+        *,
+        nodes: int,
+        max_restarts: int,
+        backoff_base_s: float = 1.0,
+        backoff_cap_s: float = 30.0,
+        say: Callable[[str], None] = log.info,
+    ) -> None:
+        self.buffer = buffer
+        self.start_node = start_node
+        self.max_restarts = max_restarts
+        self.backoff_base_s = backoff_base_s
+        self.backoff_cap_s = backoff_cap_s
+        self.say = say
+        self.slots = [Slot(f"rollout-{i}", i) for i in range(nodes)]
+        for slot in self.slots:
+            self._start(slot)
+
+    @property
+    def actors(self) -> list[Any]:
+        return [s.actor for s in self.slots if s.actor is not None]
+
+    def _start(self, slot: Slot) -> None:
+        slot.actor = self.start_node(slot.index)
+        slot.run_ref = slot.actor.run.remote()
+        slot.worker_ref = slot.actor.worker_id.remote()
+        slot.worker_id = None
+
+    def check(self) -> None:
+        """One supervision pass: detect down nodes, restart those whose backoff has passed."""
+        import ray
+
+        health = {w["id"]: w["status"] for w in self.buffer.node_health()}
+        now = time.monotonic()
+        for slot in self.slots:
+            if slot.failed:
+                continue
+            if slot.actor is None:
+                if now >= slot.next_start_at:
+                    self._start(slot)
+                    self.say(f"{slot.name}: restarted (restart {slot.restarts})")
+                continue
+            if slot.worker_id is None:
+                ready, _ = ray.wait([slot.worker_ref], timeout=0)
+                if ready:
+                    try:
+                        slot.worker_id = int(ray.get(slot.worker_ref))
+                    except Exception as e:  # the constructor failed: the node is down
+                        self._down(slot, f"failed to start: {type(e).__name__}: {e}")
+                        continue
+            reason = None
+            ready, _ = ray.wait([slot.run_ref], timeout=0)
+            if ready:
+                try:
+                    ray.get(slot.run_ref)
+                    reason = "stopped (declared dead by the control plane)"
+                except Exception as e:
+                    reason = f"actor died ({type(e).__name__})"
+            elif slot.worker_id is not None and health.get(slot.worker_id) in ("dead", "failed"):
+                reason = "declared dead by the control plane (hung)"
+            if reason is not None:
+                self._down(slot, reason)
+
+    def _down(self, slot: Slot, reason: str) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(slot.actor, no_restart=True)
+        if slot.worker_id is not None:
+            # Requeue now rather than wait for the sweep (idempotent when it already ran).
+            self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD)
+        slot.actor = slot.run_ref = slot.worker_ref = None
+        slot.restarts += 1
+        slot.history.append({"time": time.time(), "reason": reason, "worker_id": slot.worker_id})
+        if slot.restarts > self.max_restarts:
+            slot.failed = True
+            if slot.worker_id is not None:
+                self.buffer.requeue_worker(slot.worker_id, WorkerStatus.FAILED)
+            self.buffer.event(
+                "worker.failed",
+                f"{slot.name} failed: down {slot.restarts} times, over its budget of "
+                f"{self.max_restarts} restarts; the job continues without it ({reason})",
+                {"slot": slot.name, "restarts": slot.restarts, "reason": reason},
+            )
+            self.say(f"{slot.name}: FAILED after {slot.restarts} restarts ({reason})")
+            return
+        delay = min(self.backoff_cap_s, self.backoff_base_s * 2 ** (slot.restarts - 1))
+        slot.next_start_at = time.monotonic() + delay
+        self.buffer.event(
+            "worker.restarting",
+            f"{slot.name} down ({reason}); restart {slot.restarts}/{self.max_restarts} "
+            f"in {delay:.1f} s",
+            {"slot": slot.name, "restarts": slot.restarts, "reason": reason, "delay_s": delay},
+        )
+        self.say(f"{slot.name}: down ({reason}); restarting in {delay:.1f} s")
+
+    def stop(self) -> list[int]:
+        """Stop every node (``run`` returns after its current episodes); returns their worker
+        ids for the final requeue."""
+        import ray
+
+        live = [s for s in self.slots if s.actor is not None]
+        for s in live:
+            s.actor.stop.remote()
+        runs = [s.run_ref for s in live]
+        if runs:
+            ray.wait(runs, num_returns=len(runs), timeout=60.0)
+        ids = []
+        for s in live:
+            if s.worker_id is None:
+                try:
+                    s.worker_id = int(ray.get(s.worker_ref, timeout=5))
+                except Exception:
+                    s.worker_id = None
+            if s.worker_id is not None:
+                ids.append(s.worker_id)
+            ray.kill(s.actor, no_restart=True)
+            s.actor = None
+        return ids
