@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,9 @@ class JobDriver:
         self.actor = actor
         self.supervisor: Any = None
         self.trainer_restarts = 0
+        # Fault-injection seam for chaos tests and drills: called by name at points of a step
+        # ("after_train": the optimizer stepped, nothing checkpointed or committed yet).
+        self.fault_hooks: dict[str, Callable[[JobDriver], None]] = {}
         self.trainer: Any = None
         self.evaluator: Any = None
         self.scheduler: Any = None
@@ -402,6 +406,8 @@ class JobDriver:
         )
         t1 = time.monotonic()
         metrics = self.trainer.train(plan)
+        if hook := self.fault_hooks.get("after_train"):
+            hook(self)
         t2 = time.monotonic()
         last = step + 1 == self.cfg.run.total_steps
         ckpt = None
@@ -503,7 +509,7 @@ class JobDriver:
         import ray
 
         if self.scheduler is not None:
-            self.scheduler.shutdown(wait=False)
+            self.scheduler.shutdown(wait=True)  # a job mid-retry finishes its (bounded) window
             self.scheduler = None
         try:
             self._stop_nodes()

@@ -84,12 +84,13 @@ class RolloutNode:
             torch.set_num_threads(config.threads)
         self.db = open_database(database_url, pool_size=config.concurrency + 2)
         self.buffer = Buffer(self.db, job_id, buffer or BufferConfig())
-        self.worker = self.buffer.register_worker(
-            config.name, host=socket.gethostname(), pid=os.getpid(), node_id=_ray_node_id()
-        )
         self.base_engine = make_engine(config.engine, config.model_dir, seed=config.seed)
         self.engine = BatchingEngine(self.base_engine, max_batch=max(1, config.concurrency))
         self.tokenizer = self.base_engine.tokenizer
+        # Registered once the engine is up: liveness is judged from here on.
+        self.worker = self.buffer.register_worker(
+            config.name, host=socket.gethostname(), pid=os.getpid(), node_id=_ray_node_id()
+        )
         self.stats = NodeStats()
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()
@@ -276,8 +277,8 @@ class RolloutNode:
     def _beat(self) -> None:
         while not self._stop.wait(self.config.heartbeat_interval_s):
             try:
-                self._probe()
                 self._beat_once()
+                self._probe()
                 self._sync_weights()
             except Exception:  # a missed beat is survivable; the lease budget covers it
                 log.exception("heartbeat failed")
