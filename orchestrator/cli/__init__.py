@@ -15,6 +15,7 @@ import typer
 
 from orchestrator import __version__
 from orchestrator.cli import db as db_cmd
+from orchestrator.cli import drill as drill_cmd
 from orchestrator.cli import job as job_cmd
 from orchestrator.cli import model as model_cmd
 from orchestrator.cli import quickstart as quickstart_cmd
@@ -31,6 +32,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(db_cmd.app, name="db")
+app.add_typer(drill_cmd.app, name="drill")
 app.add_typer(job_cmd.app, name="job")
 app.add_typer(task_cmd.app, name="task")
 app.add_typer(model_cmd.app, name="model")

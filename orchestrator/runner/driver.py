@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ class JobDriver:
         # Fault-injection seam for chaos tests and drills: called by name at points of a step
         # ("after_train": the optimizer stepped, nothing checkpointed or committed yet).
         self.fault_hooks: dict[str, Callable[[JobDriver], None]] = {}
+        self._stop_requested = threading.Event()
         self.trainer: Any = None
         self.evaluator: Any = None
         self.scheduler: Any = None
@@ -188,6 +190,11 @@ class JobDriver:
                     markup=False,
                 )
             self.console.print(f"resumed the trainer from {uri} (step {ckpt_step})", markup=False)
+
+    def request_stop(self) -> None:
+        """Finish after the current step (then stop the nodes, evaluate, save the policy);
+        ``--resume`` continues later."""
+        self._stop_requested.set()
 
     def _recover_trainer(self, error: BaseException) -> None:
         """A rank died (or a collective failed): kill the group, return the uncommitted batch's
@@ -322,7 +329,7 @@ class JobDriver:
         try:
             if not self.run_dir.records("eval") or self.step == 0:
                 self._evaluate(self.step, None)
-            while self.step < total:
+            while self.step < total and not self._stop_requested.is_set():
                 self._supervise()
                 self._collect_evals(snap, block=False)
                 batch = self.buffer.claim_batch(self.step, min_groups=cfg.buffer.batch_groups)

@@ -97,3 +97,35 @@ class InvariantRepository:
         sql = CHECKS[check][1]
         rows = self.session.execute(text(sql), {"j": job_id, "limit": limit}).all()
         return [dict(r._asdict()) for r in rows]
+
+    def samples_of_worker(self, worker_id: int) -> list[dict[str, Any]]:
+        """The samples of every episode the worker holds a lease on, with their progress."""
+        rows = self.session.execute(
+            text(
+                """
+                SELECT e.id AS episode_id, e.task_id, tr.sample_index, tr.status::text AS status,
+                       tr.num_turns, tr.num_tokens
+                FROM episodes e
+                LEFT JOIN trajectories tr ON tr.task_id = e.task_id AND tr.episode_id = e.id
+                WHERE e.lease_owner = :w AND e.status = 'leased'
+                ORDER BY e.id, tr.sample_index
+                """
+            ),
+            {"w": worker_id},
+        ).all()
+        return [dict(r._asdict()) for r in rows]
+
+    def samples_of_episodes(self, episode_ids: list[int]) -> list[dict[str, Any]]:
+        rows = self.session.execute(
+            text(
+                """
+                SELECT e.id AS episode_id, e.status::text AS episode_status, tr.sample_index,
+                       tr.status::text AS status, tr.num_turns, tr.num_tokens
+                FROM episodes e
+                LEFT JOIN trajectories tr ON tr.task_id = e.task_id AND tr.episode_id = e.id
+                WHERE e.id = ANY(:ids) ORDER BY e.id, tr.sample_index
+                """
+            ),
+            {"ids": episode_ids},
+        ).all()
+        return [dict(r._asdict()) for r in rows]

@@ -1,0 +1,130 @@
+"""``rollcall drill``: failure-recovery drills against a running job (same machine)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from orchestrator.cli.common import console, open_db, print_json
+from orchestrator.cli.common import table as make_table
+
+if TYPE_CHECKING:
+    from orchestrator.services.drills import DrillReport
+
+app = typer.Typer(
+    help="Inject a fault into a running job, wait for recovery, report what was lost (0).",
+    no_args_is_help=True,
+)
+
+JobOpt = Annotated[
+    str, typer.Option("--job", envvar="ROLLCALL_JOB", help="The running job to drill.")
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON.")]
+TimeoutOpt = Annotated[
+    float, typer.Option("--timeout", help="Seconds to wait for detection and for recovery.")
+]
+
+
+def _show(reports: list[DrillReport], json_out: bool) -> None:
+    if json_out:
+        print_json([r.to_json() for r in reports] if len(reports) > 1 else reports[0].to_json())
+    else:
+        t = make_table(
+            "drill",
+            "target",
+            "detection s",
+            "recovery s",
+            "in flight",
+            "resumed turns",
+            "lost",
+            "duplicated",
+            "invariants",
+        )
+        for r in reports:
+            t.add_row(
+                r.drill,
+                r.target,
+                "-" if r.detection_s is None else f"{r.detection_s:.2f}",
+                "timed out" if r.recovery_s is None else f"{r.recovery_s:.2f}",
+                f"{r.in_flight_episodes} episodes / {r.in_flight_samples} samples",
+                str(r.resumed_turns),
+                str(r.lost),
+                str(r.duplicated),
+                "ok" if r.invariants_ok else r.invariant_summary,
+            )
+        console().print(t)
+        for r in reports:
+            for note in r.notes:
+                console().print(f"note: {note}", markup=False)
+    if not all(r.passed for r in reports):
+        raise typer.Exit(1)
+
+
+@app.command("kill-rollout")
+def kill_rollout(
+    ctx: typer.Context,
+    job: JobOpt,
+    count: Annotated[int, typer.Option("--count", min=1, help="Nodes to kill.")] = 1,
+    sig: Annotated[
+        str, typer.Option("--signal", help="KILL (crash) or STOP (hang).", case_sensitive=False)
+    ] = "KILL",
+    timeout: TimeoutOpt = 120.0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Kill (or hang) the busiest rollout nodes of a running job."""
+    from orchestrator.errors import UserError
+    from orchestrator.services.drills import Drills
+
+    sig = sig.upper()
+    if sig not in ("KILL", "STOP"):
+        raise UserError(f"--signal {sig} is not supported; use KILL or STOP")
+    db = open_db(ctx)
+    try:
+        reports = Drills(db, job, timeout_s=timeout).kill_rollout(count, sig)
+    finally:
+        db.dispose()
+    _show(reports, json_out)
+
+
+@app.command("kill-trainer")
+def kill_trainer(
+    ctx: typer.Context, job: JobOpt, timeout: TimeoutOpt = 180.0, json_out: JsonOpt = False
+) -> None:
+    """SIGKILL trainer rank 0; recovery is the next step committed by a restarted trainer."""
+    from orchestrator.services.drills import Drills
+
+    db = open_db(ctx)
+    try:
+        report = Drills(db, job, timeout_s=timeout).kill_trainer()
+    finally:
+        db.dispose()
+    _show([report], json_out)
+
+
+@app.command("restart-db")
+def restart_db(
+    ctx: typer.Context, job: JobOpt, timeout: TimeoutOpt = 180.0, json_out: JsonOpt = False
+) -> None:
+    """Restart the embedded PostgreSQL under a running job; nobody may be declared dead."""
+    from orchestrator.db.embedded import EmbeddedPostgres
+    from orchestrator.errors import UserError
+    from orchestrator.services.drills import Drills
+
+    db = open_db(ctx)
+    try:
+        if not db.target.embedded:
+            raise UserError(
+                "restart-db restarts the embedded PostgreSQL only; restart an external server "
+                "with its own tools and watch `rollcall job show`"
+            )
+        server = EmbeddedPostgres(db.target.home)
+
+        def restart() -> None:
+            server.stop()
+            server.ensure_running()
+
+        report = Drills(db, job, timeout_s=timeout).restart_db(restart)
+    finally:
+        db.dispose()
+    _show([report], json_out)

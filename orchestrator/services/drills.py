@@ -1,0 +1,259 @@
+"""Failure-recovery drills against a running job: inject a fault, wait for recovery, report.
+
+A drill runs in its own process (``rollcall drill``), next to a job driven by ``rollcall run``
+on the same machine; it finds its targets through the database (worker rows carry host and
+pid) and measures everything on the database:
+
+- **detection**: fault until the worker's row is declared dead;
+- **recovery**: fault until a new incarnation of the same slot is alive and holds the job's
+  current published version (for the trainer: until a step is committed after the fault);
+- **in flight**: the episodes the worker held at the fault, and their checkpointed turns;
+- **resumed turns**: checkpointed turns of those samples that the next holder kept (progress
+  not regenerated);
+- **lost**: samples of those episodes whose checkpointed progress disappeared (fewer tokens
+  than at the fault, or gone) without being counted as expired or quarantined;
+- **duplicated**: violations of "trained once" (a prompt consumed twice, or step counts that
+  disagree with the consumed samples), with the rest of the invariant checker.
+
+Every drill records a ``drill.completed`` event with its report.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from orchestrator.buffer.invariants import check_invariants
+from orchestrator.db.engine import Database
+from orchestrator.errors import ConflictError, UserError
+from orchestrator.services.jobs import require_job
+
+POLL_S = 0.1
+
+
+@dataclass
+class DrillReport:
+    drill: str
+    job: str
+    target: str
+    fault_at: float
+    detection_s: float | None = None
+    recovery_s: float | None = None
+    in_flight_episodes: int = 0
+    in_flight_samples: int = 0
+    checkpointed_turns: int = 0
+    resumed_turns: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    invariants_ok: bool = True
+    invariant_summary: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return (
+            self.lost == 0
+            and self.duplicated == 0
+            and self.invariants_ok
+            and self.recovery_s is not None
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed}
+
+
+class Drills:
+    def __init__(self, db: Database, job_name: str, *, timeout_s: float = 120.0) -> None:
+        self.db = db
+        with db.transaction() as tx:
+            self.job = require_job(tx, job_name)
+        self.timeout_s = timeout_s
+
+    # -- targets ------------------------------------------------------------------------------
+
+    def _workers(self, role: str) -> list[dict[str, Any]]:
+        with self.db.transaction() as tx:
+            return [
+                w
+                for w in tx.workers.health(self.job.id)
+                if w["role"] == role and w["status"] == "alive"
+            ]
+
+    def _signal(self, worker: dict[str, Any], sig: signal.Signals) -> None:
+        if worker["host"] != socket.gethostname():
+            raise UserError(
+                f"worker {worker['name']} runs on {worker['host']}; run the drill there"
+            )
+        try:
+            os.kill(int(worker["pid"]), sig)
+        except ProcessLookupError:
+            raise ConflictError(f"worker {worker['name']} (pid {worker['pid']}) is gone") from None
+
+    def _wait(self, cond: Callable[[], Any]) -> float | None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.timeout_s:
+            if cond():
+                return time.monotonic()
+            time.sleep(POLL_S)
+        return None
+
+    def _is_down(self, worker_id: int) -> bool:
+        with self.db.transaction() as tx:
+            w = tx.workers.get(worker_id)
+        return w is None or w.status.value in ("dead", "failed")
+
+    def _slot_alive(self, name: str, after_id: int) -> bool:
+        with self.db.transaction() as tx:
+            return any(
+                w["name"] == name and w["id"] > after_id and w["status"] == "alive"
+                for w in tx.workers.health(self.job.id)
+            )
+
+    def _slot_serving(self, name: str, after_id: int) -> bool:
+        with self.db.transaction() as tx:
+            published = tx.batches.published_weights(self.job.id)
+            for w in tx.workers.health(self.job.id):
+                if w["name"] == name and w["id"] > after_id and w["status"] == "alive":
+                    return published is None or (w["loaded_version"] or 0) >= published[0]
+        return False
+
+    # -- drills -------------------------------------------------------------------------------
+
+    def kill_rollout(self, count: int = 1, sig: str = "KILL") -> list[DrillReport]:
+        signum = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}[sig]
+        live = self._workers("rollout")
+        if len(live) < count:
+            raise ConflictError(
+                f"job {self.job.name!r} has {len(live)} live rollout nodes; cannot kill {count}"
+            )
+        # the busiest nodes first: the drill is about work in flight
+        targets = sorted(live, key=lambda w: -w["tokens_generated"])[:count]
+        snaps = {}
+        with self.db.transaction() as tx:
+            for w in targets:
+                snaps[w["id"]] = tx.invariants.samples_of_worker(w["id"])
+        t0 = time.monotonic()
+        wall0 = time.time()
+        for w in targets:
+            self._signal(w, signum)
+        reports = []
+        for w in targets:
+            r = DrillReport(f"kill-rollout --signal {sig}", self.job.name, w["name"], wall0)
+            wid, name = int(w["id"]), str(w["name"])
+            dead_at = self._wait(functools.partial(self._is_down, wid))
+            r.detection_s = None if dead_at is None else dead_at - t0
+            up_at = self._wait(functools.partial(self._slot_serving, name, wid))
+            r.recovery_s = None if up_at is None else up_at - t0
+            if signum == signal.SIGSTOP:  # the supervisor SIGKILLs a hung node; never leave
+                # a stopped process behind if it did not
+                try:
+                    os.kill(int(w["pid"]), signal.SIGCONT)
+                    os.kill(int(w["pid"]), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self._account(r, snaps[w["id"]])
+            reports.append(r)
+        for r in reports:
+            self._finish(r)
+        return reports
+
+    def kill_trainer(self) -> DrillReport:
+        live = [w for w in self._workers("trainer") if w["name"] == "trainer-0"]
+        if not live:
+            raise ConflictError(f"job {self.job.name!r} has no live trainer rank")
+        w = live[0]
+        with self.db.transaction() as tx:
+            step0 = tx.batches.job_state(self.job.id).policy_version
+        r = DrillReport("kill-trainer", self.job.name, w["name"], time.time())
+        t0 = time.monotonic()
+        self._signal(w, signal.SIGKILL)
+        dead_at = self._wait(functools.partial(self._is_down, int(w["id"])))
+        r.detection_s = None if dead_at is None else dead_at - t0
+
+        def stepped() -> bool:
+            with self.db.transaction() as tx:
+                return tx.batches.job_state(self.job.id).policy_version > step0
+
+        up_at = self._wait(lambda: self._slot_alive(w["name"], w["id"]) and stepped())
+        r.recovery_s = None if up_at is None else up_at - t0
+        self._account(r, [])
+        self._finish(r)
+        return r
+
+    def restart_db(self, restart: Callable[[], None]) -> DrillReport:
+        """Restart the database (``restart`` does it); nobody may be declared dead for it."""
+        with self.db.transaction() as tx:
+            before = {w["id"] for w in tx.workers.health(self.job.id) if w["status"] == "alive"}
+            step0 = tx.batches.job_state(self.job.id).policy_version
+        r = DrillReport("restart-db", self.job.name, "database", time.time())
+        t0 = time.monotonic()
+        restart()
+        self.db.engine.dispose()  # connections to the old server are gone
+
+        def stepped() -> bool:
+            try:
+                with self.db.transaction() as tx:
+                    return tx.batches.job_state(self.job.id).policy_version > step0
+            except Exception:
+                return False
+
+        up_at = self._wait(stepped)
+        r.detection_s = 0.0
+        r.recovery_s = None if up_at is None else up_at - t0
+        with self.db.transaction() as tx:
+            after = {w["id"]: w["status"] for w in tx.workers.health(self.job.id)}
+        dead = sorted(i for i in before if after.get(i) in ("dead", "failed"))
+        if dead:
+            r.notes.append(f"workers declared dead by the outage: {dead}")
+        self._account(r, [])
+        if dead:
+            r.invariants_ok = False
+            r.invariant_summary += f"; {len(dead)} workers declared dead by the outage"
+        self._finish(r)
+        return r
+
+    # -- accounting ---------------------------------------------------------------------------
+
+    def _account(self, r: DrillReport, at_fault: list[dict[str, Any]]) -> None:
+        episodes = sorted({s["episode_id"] for s in at_fault})
+        r.in_flight_episodes = len(episodes)
+        samples = [s for s in at_fault if s["sample_index"] is not None]
+        r.in_flight_samples = len(samples)
+        r.checkpointed_turns = sum(s["num_turns"] or 0 for s in samples)
+        with self.db.transaction() as tx:
+            now = {
+                (s["episode_id"], s["sample_index"]): s
+                for s in tx.invariants.samples_of_episodes(episodes)
+            }
+        for s in samples:
+            cur = now.get((s["episode_id"], s["sample_index"]))
+            if cur is None:
+                r.lost += 1
+                continue
+            if cur["episode_status"] in ("expired", "quarantined") or cur["status"] == "expired":
+                continue  # counted on the task, its prompt requeued or shown to operators
+            if (cur["num_tokens"] or 0) < (s["num_tokens"] or 0):
+                r.lost += 1
+            else:
+                r.resumed_turns += s["num_turns"] or 0
+        report = check_invariants(self.db, self.job.id, skip=("dead_leases",))
+        r.invariants_ok = report.ok
+        r.invariant_summary = report.summary()
+        r.duplicated = len(report.violations.get("trained_once", []))
+
+    def _finish(self, r: DrillReport) -> None:
+        with self.db.transaction() as tx:
+            tx.events.add(
+                "drill.completed",
+                "drill",
+                f"drill {r.drill} on {r.target}: detection {r.detection_s}, recovery "
+                f"{r.recovery_s}, lost {r.lost}, duplicated {r.duplicated}",
+                job_id=self.job.id,
+                payload=r.to_json(),
+            )
