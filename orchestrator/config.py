@@ -148,7 +148,10 @@ class RolloutConfig(StrictModel):
     temperature: float = Field(default=1.0, gt=0)
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     tool_timeout_s: float = Field(default=5.0, gt=0)
-    max_restarts: int = Field(default=5, ge=0, description="restarts of one node slot")
+    max_restarts: int = Field(
+        default=5, ge=0, description="restarts of one node slot within restart_window_s"
+    )
+    restart_window_s: float = Field(default=600.0, gt=0)
     restart_backoff_s: float = Field(
         default=1.0, gt=0, description="first restart delay; doubles per restart, capped at 30 s"
     )
@@ -173,7 +176,10 @@ class TrainerConfig(StrictModel):
     keep_checkpoints: int = Field(default=2, ge=1)
     sync_every: int = Field(default=1, ge=1, description="steps between weight publications")
     keep_weights: int = Field(default=3, ge=1)
-    max_restarts: int = Field(default=3, ge=0, description="trainer restarts before giving up")
+    max_restarts: int = Field(
+        default=3, ge=0, description="trainer restarts within restart_window_s before giving up"
+    )
+    restart_window_s: float = Field(default=600.0, gt=0)
     loss: LossConfig = Field(default_factory=LossConfig)
 
 

@@ -78,6 +78,7 @@ class JobDriver:
         self.actor = actor
         self.supervisor: Any = None
         self.trainer_restarts = 0
+        self.trainer_failures: list[float] = []
         # Fault-injection seam for chaos tests and drills: called by name at points of a step
         # ("after_train": the optimizer stepped, nothing checkpointed or committed yet).
         self.fault_hooks: dict[str, Callable[[JobDriver], None]] = {}
@@ -202,7 +203,10 @@ class JobDriver:
         replays the same batch for the same step."""
         from orchestrator.domain import WorkerStatus
 
-        self.trainer_restarts += 1
+        now = time.monotonic()
+        window = self.cfg.trainer.restart_window_s
+        self.trainer_failures = [t for t in self.trainer_failures if now - t <= window] + [now]
+        self.trainer_restarts = len(self.trainer_failures)
         budget = self.cfg.trainer.max_restarts
         old = self.trainer
         old.kill()
@@ -240,6 +244,7 @@ class JobDriver:
             self._make_node,
             nodes=r.nodes,
             max_restarts=r.max_restarts,
+            restart_window_s=r.restart_window_s,
             backoff_base_s=r.restart_backoff_s,
             say=lambda m: self.console.print(m, markup=False),
         )

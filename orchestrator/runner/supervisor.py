@@ -5,9 +5,10 @@ stopped because the database declared it dead, or when the database declared it 
 actor still exists (a hang: SIGSTOP, a deadlocked engine). The supervisor kills what is left of
 it, makes sure its leases are requeued (the next claimer resumes from the checkpoints), and
 starts a new incarnation of the same slot after ``backoff_base_s * 2^(restarts-1)`` seconds
-(capped). A slot that needs more than ``max_restarts`` restarts is marked failed, with an event;
-the job goes on with the other nodes. Recovery goes through the normal path: the new actor
-registers a new worker incarnation and takes work from the buffer like any node.
+(capped). A slot that needs more than ``max_restarts`` restarts within ``restart_window_s``
+is marked failed, with an event; the job goes on with the other nodes. Recovery goes through
+the normal path: the new actor registers a new worker incarnation and takes work from the
+buffer like any node.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Supervisor:
         *,
         nodes: int,
         max_restarts: int,
+        restart_window_s: float = 600.0,
         backoff_base_s: float = 1.0,
         backoff_cap_s: float = 30.0,
         say: Callable[[str], None] = log.info,
@@ -54,6 +56,7 @@ class Supervisor:
         self.buffer = buffer
         self.start_node = start_node
         self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
         self.backoff_base_s = backoff_base_s
         self.backoff_cap_s = backoff_cap_s
         self.say = say
@@ -115,8 +118,11 @@ class Supervisor:
             # Requeue now rather than wait for the sweep (idempotent when it already ran).
             self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD)
         slot.actor = slot.run_ref = slot.worker_ref = None
-        slot.restarts += 1
-        slot.history.append({"time": time.time(), "reason": reason, "worker_id": slot.worker_id})
+        now = time.monotonic()
+        slot.history.append({"at": now, "reason": reason, "worker_id": slot.worker_id})
+        # the budget counts the restarts of the last restart_window_s: a node that has been
+        # healthy for a while gets its budget back
+        slot.restarts = sum(1 for h in slot.history if now - h["at"] <= self.restart_window_s)
         if slot.restarts > self.max_restarts:
             slot.failed = True
             if slot.worker_id is not None:

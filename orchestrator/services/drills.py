@@ -127,6 +127,8 @@ class Drills:
 
     def kill_rollout(self, count: int = 1, sig: str = "KILL") -> list[DrillReport]:
         signum = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}[sig]
+        # wait (up to the timeout) for enough live nodes: one may be restarting
+        self._wait(lambda: len(self._workers("rollout")) >= count)
         live = self._workers("rollout")
         if len(live) < count:
             raise ConflictError(
@@ -164,7 +166,11 @@ class Drills:
         return reports
 
     def kill_trainer(self) -> DrillReport:
-        live = [w for w in self._workers("trainer") if w["name"] == "trainer-0"]
+        def rank0() -> list[dict[str, Any]]:
+            return [w for w in self._workers("trainer") if w["name"] == "trainer-0"]
+
+        self._wait(rank0)  # it may be restarting
+        live = rank0()
         if not live:
             raise ConflictError(f"job {self.job.name!r} has no live trainer rank")
         w = live[0]

@@ -85,3 +85,47 @@ def test_drills_against_a_running_job(
     assert report.ok, report.summary()
     events = [r[0] for r in rows(engine, "SELECT kind FROM events WHERE kind LIKE 'drill.%'")]
     assert events == ["drill.completed"] * 4
+
+
+def test_randomized_chaos_run_loses_nothing(
+    ray_local: Any, pg: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
+) -> None:
+    from ops.chaos import run_chaos
+    from orchestrator.db.embedded import EmbeddedPostgres
+
+    driver = _driver(_config(tmp_path, tiny_dir, steps=500), db, tiny_dir, tmp_path)
+    driver.setup()
+    done = threading.Event()
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["run"] = driver.run()
+        except BaseException as e:
+            result["error"] = e
+        finally:
+            done.set()
+
+    server = EmbeddedPostgres(pg.home)
+
+    def restart() -> None:
+        server.stop()
+        server.ensure_running()
+
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        _wait("a first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"))
+        totals = run_chaos(
+            Drills(db, "chaos", timeout_s=90), 20, seed=1, restart_db=restart, say=lambda _: None
+        )
+    finally:
+        driver.request_stop()
+        done.wait(timeout=240)
+        driver.close()
+    assert "error" not in result, result.get("error")
+    assert totals["faults"] == 20 and len(totals["by_kind"]) >= 3, totals
+    assert totals["lost"] == 0 and totals["duplicated"] == 0 and totals["failed"] == 0, totals
+    job = scalar(engine, "SELECT id FROM jobs WHERE name = 'chaos'")
+    report = check_invariants(db, job)
+    assert report.ok, report.summary()
+    print(json.dumps(totals))

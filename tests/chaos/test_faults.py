@@ -40,8 +40,9 @@ def _config(tmp: Path, model: Path, steps: int, nodes: int = 2) -> RollcallConfi
                 "heartbeat_interval_s": 0.5,
                 "tool_timeout_s": 2.0,
                 "restart_backoff_s": 0.5,
+                "restart_window_s": 20.0,
             },
-            "trainer": {"lr": 1e-3, "micro_batch_tokens": 512},
+            "trainer": {"lr": 1e-3, "micro_batch_tokens": 512, "restart_window_s": 20.0},
             "control_plane": {
                 "seed_interval_s": 0.5,
                 "dead_sweep_interval_s": 0.5,

@@ -1,0 +1,137 @@
+"""A randomized chaos run against a running job: many faults, one after another, each waited
+out, then the totals: faults injected, detection and recovery times (p50/p99), and what was
+lost or trained twice (both must be 0).
+
+Faults (weights): a rollout node SIGKILLed (4), a rollout node SIGSTOPped (3), the trainer's
+rank 0 SIGKILLed (2), the embedded PostgreSQL restarted (1, only with ``--restart-db``).
+
+Usage (next to a job started with `rollcall run`, on the same machine):
+    python ops/chaos.py --job NAME [--faults 200] [--seed 0] [--restart-db]
+Prints a table, then (last line) one JSON object with the totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orchestrator.services.drills import DrillReport, Drills
+
+KINDS = {"kill-rollout": 4, "hang-rollout": 3, "kill-trainer": 2, "restart-db": 1}
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def run_chaos(
+    drills: Drills,
+    faults: int,
+    *,
+    seed: int = 0,
+    restart_db: Callable[[], None] | None = None,
+    pause_s: float = 0.5,
+    say: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Inject ``faults`` faults one by one (each waited out); return the totals."""
+    rng = random.Random(seed)
+    kinds = {k: w for k, w in KINDS.items() if k != "restart-db" or restart_db is not None}
+    reports: list[DrillReport] = []
+    done: list[str] = []
+    t0 = time.monotonic()
+    for i in range(faults):
+        kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
+        if kind == "kill-rollout":
+            r = drills.kill_rollout(1, "KILL")[0]
+        elif kind == "hang-rollout":
+            r = drills.kill_rollout(1, "STOP")[0]
+        elif kind == "kill-trainer":
+            r = drills.kill_trainer()
+        else:
+            assert restart_db is not None
+            r = drills.restart_db(restart_db)
+        reports.append(r)
+        done.append(kind)
+        say(
+            f"{i + 1:>4} {r.drill:<24} {r.target:<10} detect {r.detection_s or 0:6.2f} s  "
+            f"recover {r.recovery_s if r.recovery_s is not None else float('nan'):6.2f} s  "
+            f"lost {r.lost} dup {r.duplicated} {'ok' if r.passed else 'FAILED'}"
+        )
+        time.sleep(pause_s)
+    totals: dict[str, Any] = {
+        "faults": len(reports),
+        "wall_s": round(time.monotonic() - t0, 1),
+        "by_kind": dict(Counter(done)),
+        "lost": sum(r.lost for r in reports),
+        "duplicated": sum(r.duplicated for r in reports),
+        "failed": sum(not r.passed for r in reports),
+        "in_flight_samples": sum(r.in_flight_samples for r in reports),
+        "resumed_turns": sum(r.resumed_turns for r in reports),
+    }
+    for label, pick in (
+        ("rollout_kill", lambda r: r.drill == "kill-rollout --signal KILL"),
+        ("rollout_hang", lambda r: r.drill == "kill-rollout --signal STOP"),
+        ("trainer", lambda r: r.drill == "kill-trainer"),
+    ):
+        chosen = [r for r in reports if pick(r)]
+        det = [r.detection_s for r in chosen if r.detection_s is not None]
+        rec = [r.recovery_s for r in chosen if r.recovery_s is not None]
+        for name, vals in (("detection", det), ("recovery", rec)):
+            for q in (0.5, 0.99):
+                v = percentile(vals, q)
+                totals[f"{label}_{name}_p{int(q * 100)}_s"] = None if v is None else round(v, 3)
+    return totals
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--job", required=True)
+    ap.add_argument("--faults", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--restart-db", action="store_true")
+    ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--database-url", default=None)
+    args = ap.parse_args()
+
+    from orchestrator.db.embedded import EmbeddedPostgres
+    from orchestrator.db.engine import open_database
+
+    db = open_database(args.database_url)
+    restart = None
+    if args.restart_db:
+        if not db.target.embedded:
+            sys.exit("--restart-db restarts the embedded PostgreSQL only")
+        server = EmbeddedPostgres(db.target.home)
+
+        def restart() -> None:
+            server.stop()
+            server.ensure_running()
+
+    try:
+        totals = run_chaos(
+            Drills(db, args.job, timeout_s=args.timeout),
+            args.faults,
+            seed=args.seed,
+            restart_db=restart,
+        )
+    finally:
+        db.dispose()
+    print(json.dumps(totals))
+
+
+if __name__ == "__main__":
+    main()
