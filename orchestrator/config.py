@@ -142,6 +142,9 @@ class RolloutConfig(StrictModel):
     concurrency: int = Field(default=8, ge=1, description="agent loops per node")
     cpus_per_node: float = Field(default=1.0, gt=0)
     gpus_per_node: float = Field(default=0.0, ge=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each node needs (placement)"
+    )
     engine: EngineConfig = Field(default_factory=HFEngineConfig)
     max_tokens_per_turn: int = Field(default=64, ge=1)
     max_tokens: int = Field(default=2048, ge=16, description="per trajectory")

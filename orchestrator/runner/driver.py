@@ -151,6 +151,7 @@ class JobDriver:
         else:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             ray.init(
+                address="local",  # a new local Ray, never one left behind by `ray start`
                 num_cpus=self.cfg.ray.num_cpus,
                 include_dashboard=False,
                 log_to_driver=False,
@@ -255,7 +256,9 @@ class JobDriver:
         from workers.rollout.node import NodeConfig, rollout_actor
 
         r = self.cfg.rollout
-        actor = rollout_actor(num_cpus=r.cpus_per_node, num_gpus=r.gpus_per_node)
+        actor = rollout_actor(
+            num_cpus=r.cpus_per_node, num_gpus=r.gpus_per_node, resources=r.resources
+        )
         return actor.remote(
             self.db.url.render_as_string(hide_password=False),
             self.job_id,

@@ -26,7 +26,7 @@ from tests.integration.buffer_helpers import rows, scalar
 pytestmark = pytest.mark.timeout(420)
 
 
-def _config(tmp: Path, model: Path, steps: int, nodes: int = 2) -> RollcallConfig:
+def _config(tmp: Path, model: Path, steps: int, nodes: int = 2, **rollout: Any) -> RollcallConfig:
     return RollcallConfig.model_validate(
         {
             "job": {"name": "chaos"},
@@ -41,6 +41,7 @@ def _config(tmp: Path, model: Path, steps: int, nodes: int = 2) -> RollcallConfi
                 "tool_timeout_s": 2.0,
                 "restart_backoff_s": 0.5,
                 "restart_window_s": 20.0,
+                **rollout,
             },
             "trainer": {"lr": 1e-3, "micro_batch_tokens": 512, "restart_window_s": 20.0},
             "control_plane": {

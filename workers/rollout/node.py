@@ -295,12 +295,19 @@ def _ray_node_id() -> str | None:
     return None
 
 
-def rollout_actor(num_cpus: float = 1.0, num_gpus: float = 0.0) -> Any:
+def rollout_actor(
+    num_cpus: float = 1.0, num_gpus: float = 0.0, resources: dict[str, float] | None = None
+) -> Any:
     """The Ray actor class for rollout nodes. Threaded, so ``stop``, ``report`` and
     ``load_weights`` run while ``run`` does. Ray does not restart it: the driver's supervisor
     does, with backoff and a budget (a new incarnation rebuilds from the database)."""
     import ray
 
     return ray.remote(  # type: ignore[call-overload]
-        num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0, max_concurrency=8
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        resources=resources or {},
+        max_restarts=0,
+        max_task_retries=0,
+        max_concurrency=8,
     )(RolloutNode)
