@@ -165,6 +165,9 @@ class TrainerConfig(StrictModel):
 
     ranks: int = Field(default=1, ge=1)
     cpus_per_rank: float = Field(default=1.0, gt=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources each rank needs (placement)"
+    )
     device: Literal["cpu", "cuda"] = "cpu"
     lr: float = Field(default=1e-5, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)

@@ -128,3 +128,26 @@ def restart_db(
     finally:
         db.dispose()
     _show([report], json_out)
+
+
+@app.command("kill-node")
+def kill_node(
+    ctx: typer.Context,
+    job: JobOpt,
+    node: Annotated[
+        str | None,
+        typer.Option("--node", help="Ray node id (hex); default: the one with most rollout nodes."),
+    ] = None,
+    timeout: TimeoutOpt = 180.0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Lose a whole Ray worker node (SIGKILL its raylet, agents and workers, on this host);
+    recovery is every rollout node it hosted serving the current version again elsewhere."""
+    from orchestrator.services.drills import Drills
+
+    db = open_db(ctx)
+    try:
+        report = Drills(db, job, timeout_s=timeout).kill_node(node)
+    finally:
+        db.dispose()
+    _show([report], json_out)

@@ -12,6 +12,9 @@ from orchestrator.cli.common import console, print_json
 app = typer.Typer(help="The tiny local model (built here, no downloads).", no_args_is_help=True)
 
 WARM_TASKS = ("calculator", "guess", "retrieval", "echo")
+# transcripts per SFT step of each task (the others: 2); the tasks whose turns copy the most
+# numbers and names get more
+WARM_BATCH = {"calculator": 8, "retrieval": 4, "echo": 4}
 
 
 @app.command()
@@ -22,7 +25,7 @@ def init(
     seed: Annotated[int, typer.Option(help="Seed of the weights and the warm-start data.")] = 0,
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 96,
     layers: Annotated[int, typer.Option(help="Transformer layers.")] = 3,
-    steps: Annotated[int, typer.Option(help="Warm-start SFT steps (0: random weights).")] = 400,
+    steps: Annotated[int, typer.Option(help="Warm-start SFT steps (0: random weights).")] = 600,
     eval_episodes: Annotated[
         int, typer.Option(help="Held-out episodes per task for the starting reward.")
     ] = 16,
@@ -42,12 +45,18 @@ def init(
     say = console()
     t0 = time.monotonic()
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, hidden=hidden, layers=layers, seed=seed)
+    model = build_model(tokenizer, hidden=hidden, layers=layers, init_std=0.1, seed=seed)
     params = sum(p.numel() for p in model.parameters())
     say.print(
         f"tokenizer: {len(tokenizer)} tokens; model: {params / 1e6:.2f}M parameters", markup=False
     )
     loss = None
+    losses: list[float] = []
+
+    def log(step: int, value: float) -> None:
+        losses.append(value)
+        say.print(f"  step {step}: loss {value:.3f}")
+
     if steps > 0:
         data = build_dataset(tokenizer, 400, WARM_TASKS, seed)
         say.print(f"warm start: {steps} SFT steps on {len(data)} solved transcripts", markup=False)
@@ -55,8 +64,11 @@ def init(
             model,
             data,
             steps=steps,
+            batch_size=2,
+            group_batch=WARM_BATCH,
+            lr=2e-3,
             seed=seed,
-            log=lambda s, v: say.print(f"  step {s}: loss {v:.3f}"),
+            log=log,
         )
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)
@@ -72,6 +84,7 @@ def init(
             {
                 "out": str(out),
                 "parameters": params,
+                "sft_loss_start": losses[0] if losses else None,
                 "sft_loss": loss,
                 "starting_reward": rewards,
                 "seconds": round(elapsed, 1),

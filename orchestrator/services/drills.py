@@ -20,6 +20,7 @@ Every drill records a ``drill.completed`` event with its report.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -27,6 +28,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from orchestrator.buffer.invariants import check_invariants
@@ -224,6 +226,57 @@ class Drills:
         self._finish(r)
         return r
 
+    def kill_node(self, node_id: str | None = None) -> DrillReport:
+        """Lose a whole Ray node: SIGKILL its raylet, its agents and every worker process on it
+        (as a machine that loses power), on this host. Without ``node_id``, the node hosting
+        the most live rollout nodes. The head node (it hosts the GCS, so the job itself) is
+        refused. Recovery: every rollout slot that lived on the node serves the current
+        version again, wherever the supervisor could place it."""
+        self._wait(lambda: bool(self._workers("rollout")))
+        live = self._workers("rollout")
+        by_node: dict[str, list[dict[str, Any]]] = {}
+        for w in live:
+            if w["node_id"]:
+                by_node.setdefault(str(w["node_id"]), []).append(w)
+        if node_id is None:
+            if not by_node:
+                raise ConflictError(f"job {self.job.name!r} has no live rollout node on Ray")
+            node_id = max(by_node, key=lambda n: len(by_node[n]))
+        targets = by_node.get(node_id, [])
+        procs = ray_node_processes(node_id)
+        if any(kind == "gcs" for _, kind in procs):
+            raise UserError(
+                f"node {node_id} is the Ray head (it runs the GCS); losing it ends the job. "
+                "Drill a worker node (pass --node, see `ray status`/`rollcall job show`)"
+            )
+        if not procs:
+            raise UserError(
+                f"no process of Ray node {node_id} runs on this host; run the drill there"
+            )
+        snaps: list[dict[str, Any]] = []
+        with self.db.transaction() as tx:
+            for w in targets:
+                snaps += tx.invariants.samples_of_worker(w["id"])
+        names = ", ".join(sorted(str(w["name"]) for w in targets)) or "no rollout node"
+        r = DrillReport("kill-node", self.job.name, f"node {node_id[:12]} ({names})", time.time())
+        t0 = time.monotonic()
+        pids = {pid for pid, _ in procs} | {
+            int(w["pid"]) for w in targets if w["host"] == socket.gethostname()
+        }
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        r.notes.append(f"killed {len(pids)} processes of node {node_id}")
+        dead_at = self._wait(lambda: all(self._is_down(int(w["id"])) for w in targets))
+        r.detection_s = None if dead_at is None else dead_at - t0
+        up_at = self._wait(
+            lambda: all(self._slot_serving(str(w["name"]), int(w["id"])) for w in targets)
+        )
+        r.recovery_s = None if up_at is None else up_at - t0
+        self._account(r, snaps)
+        self._finish(r)
+        return r
+
     # -- accounting ---------------------------------------------------------------------------
 
     def _account(self, r: DrillReport, at_fault: list[dict[str, Any]]) -> None:
@@ -263,3 +316,24 @@ class Drills:
                 job_id=self.job.id,
                 payload=r.to_json(),
             )
+
+
+def ray_node_processes(node_id: str) -> list[tuple[int, str]]:
+    """The processes of one Ray node on this host, found by the node id on their command line
+    (``--node_id=`` of the raylet, ``--node-id=`` of the GCS and the agents), with their kind:
+    ``gcs``, ``raylet`` or ``agent``. Linux (``/proc``)."""
+    flags = (f"--node_id={node_id}", f"--node-id={node_id}")
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if not any(a in flags for a in args):
+            continue
+        exe = Path(args[0]).name
+        kind = "gcs" if "gcs_server" in exe else "raylet" if "raylet" in exe else "agent"
+        found.append((int(entry.name), kind))
+    return found

@@ -94,3 +94,67 @@ def test_two_ranks_train_like_one_and_resume_matches(
         group.shutdown()
     for k in one:
         torch.testing.assert_close(resumed[k], one[k], rtol=0, atol=0)
+
+
+def _seq_logp(model: Any, ids: list[int], prompt: int) -> float:
+    """Sum of the log-probs of the generated tokens (after ``prompt``) at temperature 1."""
+    from workers.trainer.forward import token_logprobs
+    from workers.trainer.packing import pack
+
+    with torch.no_grad():
+        lp, _ = token_logprobs(model, pack([ids]))
+    return float(lp[prompt:].sum())
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("correction", ["tis", "none"])
+def test_a_step_moves_the_policy_towards_the_rewarded_sample(
+    ray_local: Any, tiny_dir: Path, tmp_path: Path, correction: str
+) -> None:
+    """One group: the same prompt, four continuations, reward 1 for two of them. After a step,
+    the rewarded continuations gained log-probability and the others gained clearly less (or
+    lost), under the weights the trainer publishes (what the rollout nodes load)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from orchestrator.algorithms import NoCorrection
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    model.eval()
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(7)
+    prompt = [int(t) for t in rng.integers(5, vocab, 10)]
+    conts = [[int(t) for t in rng.integers(5, vocab, 6)] for _ in range(4)]
+    rewards = [1.0, 0.0, 1.0, 0.0]
+    before = [_seq_logp(model, prompt + c, len(prompt)) for c in conts]
+    trajs = []
+    for i, (c, r) in enumerate(zip(conts, rewards, strict=True)):
+        ids = prompt + c
+        from workers.trainer.forward import token_logprobs
+        from workers.trainer.packing import pack
+
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, pack([ids]))
+        mask = np.r_[np.zeros(len(prompt)), np.ones(len(c))].astype(np.uint8)
+        logp = np.where(mask == 1, lp.numpy(), 0.0).astype(np.float32)  # the behaviour policy
+        payload = TrajectoryPayload.build(
+            np.array(ids), mask, logp, turn_offsets=[len(prompt)], turn_versions=[0]
+        )
+        trajs.append(BatchTrajectory(i, payload, r))
+    batch = Batch(1, 0, (BatchGroup(0, 1, "calc", {}, 0, tuple(trajs)),), {}, False, {})
+    loss = LossConfig(correction=TruncatedIS(cap=2.0) if correction == "tis" else NoCorrection())
+    config = TrainerConfig(ranks=1, lr=1e-3, loss=loss, micro_batch_tokens=64)
+    group = TrainerGroup(config, str(tiny_dir), total_steps=1, seed=0)
+    try:
+        group.train(plan_step(batch, loss, ranks=1, micro_batch_tokens=64))
+        published = Path(group.publish(str(tmp_path / "w"), 1))
+    finally:
+        group.shutdown()
+    keys = model.load_state_dict(load_file(str(published / WEIGHTS_FILE)), strict=False)
+    assert not keys.unexpected_keys and set(keys.missing_keys) <= {"lm_head.weight"}  # tied
+    after = [_seq_logp(model, prompt + c, len(prompt)) for c in conts]
+    delta = [a - b for a, b in zip(after, before, strict=True)]
+    # rewarded: more likely; not rewarded: clearly less so (Adam's first update is close to
+    # sign(grad) * lr for every parameter, so shared features can lift them a little too)
+    assert min(delta[0], delta[2]) > 0.05, delta
+    assert max(delta[1], delta[3]) < min(delta[0], delta[2]) - 0.05, delta

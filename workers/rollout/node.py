@@ -97,6 +97,8 @@ class RolloutNode:
         self._lost: set[tuple[int, int]] = set()
         self._active: set[tuple[int, int]] = set()
         self._stop = threading.Event()
+        # beats go on while a stopping node finishes its episodes (its leases must stay live)
+        self._beats_stop = threading.Event()
         self.declared_dead = False
         self._reported_tokens = 0
         self._sync_weights()
@@ -123,6 +125,8 @@ class RolloutNode:
         for t in loops:
             t.join()
         self._beat_once()
+        if self._stop.is_set():
+            self._beats_stop.set()
         return self.report()
 
     def load_weights(self, version: int, location: str) -> int:
@@ -264,6 +268,7 @@ class RolloutNode:
             log.warning("worker %s was declared dead; stopping", self.worker.id)
             self.declared_dead = True
             self._stop.set()
+            self._beats_stop.set()
 
     def _probe(self) -> None:
         """When idle, a one-token generation proves the engine still works (progress); a hung
@@ -275,7 +280,7 @@ class RolloutNode:
             self.engine.generate([GenerationRequest([eos], max_new_tokens=1)])
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.config.heartbeat_interval_s):
+        while not self._beats_stop.wait(self.config.heartbeat_interval_s):
             try:
                 self._beat_once()
                 self._probe()

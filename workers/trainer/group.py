@@ -48,7 +48,9 @@ class TrainerGroup:
             database_url=database_url,
             job_id=job_id,
         )
-        actor = trainer_actor(config.cpus_per_rank, 1.0 if config.device == "cuda" else 0.0)
+        actor = trainer_actor(
+            config.cpus_per_rank, 1.0 if config.device == "cuda" else 0.0, config.resources
+        )
         world = config.ranks
         self.ranks = [actor.remote(r, world, settings) for r in range(world)]
         master = ray.get(self.ranks[0].address.remote())

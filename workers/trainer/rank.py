@@ -360,7 +360,11 @@ class TrainerRank:
             dist.destroy_process_group()
 
 
-def trainer_actor(num_cpus: float = 1.0, num_gpus: float = 0.0) -> Any:
+def trainer_actor(
+    num_cpus: float = 1.0, num_gpus: float = 0.0, resources: dict[str, float] | None = None
+) -> Any:
     import ray
 
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)(TrainerRank)
+    return ray.remote(
+        num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, max_restarts=0
+    )(TrainerRank)

@@ -144,7 +144,7 @@ class WorkerRepository:
             text(
                 """
                 SELECT DISTINCT ON (name) id, name, role::text AS role, status::text AS status,
-                       host, pid,
+                       host, pid, node_id,
                        incarnation, restarts, loaded_version, tokens_generated,
                        extract(epoch FROM now() - last_heartbeat_at) AS heartbeat_age_s,
                        extract(epoch FROM now() - last_progress_at) AS progress_age_s

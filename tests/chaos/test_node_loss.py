@@ -1,0 +1,109 @@
+"""Losing a whole Ray node: a two-node cluster on one machine (``ray.cluster_utils.Cluster``)
+whose second node hosts the rollout nodes; the node is killed mid-run by the kill-node drill,
+the supervisor restarts the rollout nodes on a spare node, and nothing is lost."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from orchestrator.buffer.invariants import check_invariants
+from orchestrator.db.engine import Database
+from orchestrator.services.drills import Drills
+from tests.chaos.test_faults import _config, _driver, _wait
+from tests.integration.buffer_helpers import rows, scalar
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture
+def cluster(ray_local: Any) -> Iterator[Any]:
+    """Swap the session's local Ray for a two-node cluster, and back afterwards."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    ray.shutdown()
+    # the head hosts the driver's actors and the trainer ({"trainer": ...}); rollout nodes need
+    # {"rollout": 1}, which only the worker nodes added by the test have
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"trainer": 2}})
+    try:
+        ray.init(address=c.address, log_to_driver=False, configure_logging=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        os.environ.pop("RAY_ADDRESS", None)
+        ray.init(
+            address="local",
+            num_cpus=8,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+
+
+def test_losing_the_ray_node_of_the_rollout_nodes(
+    cluster: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
+) -> None:
+    """``rollcall drill kill-node`` on the node that hosts both rollout nodes, with a spare
+    node in the cluster: every process of the node is SIGKILLed, both rollout nodes are
+    declared dead, restarted on the spare node, and nothing is lost or trained twice."""
+    worker_node = cluster.add_node(num_cpus=2, resources={"rollout": 2})
+    cluster.wait_for_nodes()
+    cfg = _config(tmp_path, tiny_dir, steps=6, resources={"rollout": 1})
+    cfg = cfg.model_copy(
+        update={"trainer": cfg.trainer.model_copy(update={"resources": {"trainer": 1}})}
+    )
+    driver = _driver(cfg, db, tiny_dir, tmp_path)
+    seen: dict[str, Any] = {}
+
+    def fault() -> None:
+        _wait("a first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"))
+        before = rows(
+            engine,
+            "SELECT id, node_id FROM workers WHERE role = 'rollout' AND status = 'alive'",
+        )
+        assert {n for _, n in before} == {worker_node.node_id}  # both on the worker node
+        spare = cluster.add_node(num_cpus=2, resources={"rollout": 2})
+        seen["spare"] = spare.node_id
+        seen["report"] = Drills(db, "chaos", timeout_s=120).kill_node(worker_node.node_id)
+
+    errors: list[BaseException] = []
+
+    def inject() -> None:
+        try:
+            fault()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=inject, daemon=True)
+    try:
+        driver.setup()
+        t.start()
+        result = driver.run()
+    finally:
+        driver.close()
+    t.join(timeout=60)
+    assert not errors, errors
+    report = seen["report"]
+    assert report.passed, report.to_json()
+    assert report.lost == 0 and report.duplicated == 0
+    assert report.detection_s is not None and report.recovery_s is not None
+    assert "rollout-0" in report.target and "rollout-1" in report.target
+    assert result.steps == 6
+    # the restarted incarnations ran on the spare node
+    moved = rows(
+        engine,
+        "SELECT DISTINCT name FROM workers WHERE role = 'rollout' AND node_id = :n",
+        n=seen["spare"],
+    )
+    assert {m for (m,) in moved} == {"rollout-0", "rollout-1"}
+    job = scalar(engine, "SELECT id FROM jobs WHERE name = 'chaos'")
+    invariants = check_invariants(db, job)
+    assert invariants.ok, invariants.summary()
