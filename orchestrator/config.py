@@ -158,6 +158,11 @@ class RolloutConfig(StrictModel):
     restart_backoff_s: float = Field(
         default=1.0, gt=0, description="first restart delay; doubles per restart, capped at 30 s"
     )
+    start_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="a (re)started node that has not registered by then is killed and retried",
+    )
 
 
 class TrainerConfig(StrictModel):

@@ -247,6 +247,7 @@ class JobDriver:
             max_restarts=r.max_restarts,
             restart_window_s=r.restart_window_s,
             backoff_base_s=r.restart_backoff_s,
+            start_timeout_s=r.start_timeout_s,
             say=lambda m: self.console.print(m, markup=False),
         )
         self._last_supervised = time.monotonic()

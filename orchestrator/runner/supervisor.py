@@ -35,6 +35,7 @@ class Slot:
     worker_ref: Any = None
     worker_id: int | None = None
     restarts: int = 0
+    started_at: float = 0.0
     next_start_at: float = 0.0
     failed: bool = False
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -51,6 +52,7 @@ class Supervisor:
         restart_window_s: float = 600.0,
         backoff_base_s: float = 1.0,
         backoff_cap_s: float = 30.0,
+        start_timeout_s: float = 120.0,
         say: Callable[[str], None] = log.info,
     ) -> None:
         self.buffer = buffer
@@ -59,6 +61,7 @@ class Supervisor:
         self.restart_window_s = restart_window_s
         self.backoff_base_s = backoff_base_s
         self.backoff_cap_s = backoff_cap_s
+        self.start_timeout_s = start_timeout_s
         self.say = say
         self.slots = [Slot(f"rollout-{i}", i) for i in range(nodes)]
         for slot in self.slots:
@@ -73,6 +76,7 @@ class Supervisor:
         slot.run_ref = slot.actor.run.remote()
         slot.worker_ref = slot.actor.worker_id.remote()
         slot.worker_id = None
+        slot.started_at = time.monotonic()
 
     def check(self) -> None:
         """One supervision pass: detect down nodes, restart those whose backoff has passed."""
@@ -94,9 +98,16 @@ class Supervisor:
                     try:
                         slot.worker_id = int(ray.get(slot.worker_ref))
                     except Exception as e:  # the constructor failed: the node is down
-                        self._down(slot, f"failed to start: {type(e).__name__}: {e}")
+                        self._down(
+                            slot, f"failed to start: {type(e).__name__}: {e}", _machine_lost(e)
+                        )
                         continue
+                elif now - slot.started_at > self.start_timeout_s:
+                    # never came up: e.g. placed on a machine that died before Ray noticed
+                    self._down(slot, f"did not start within {self.start_timeout_s:.0f} s", True)
+                    continue
             reason = None
+            lost_machine = False
             ready, _ = ray.wait([slot.run_ref], timeout=0)
             if ready:
                 try:
@@ -104,12 +115,16 @@ class Supervisor:
                     reason = "stopped (declared dead by the control plane)"
                 except Exception as e:
                     reason = f"actor died ({type(e).__name__})"
+                    lost_machine = _machine_lost(e)
             elif slot.worker_id is not None and health.get(slot.worker_id) in ("dead", "failed"):
                 reason = "declared dead by the control plane (hung)"
             if reason is not None:
-                self._down(slot, reason)
+                self._down(slot, reason, lost_machine)
 
-    def _down(self, slot: Slot, reason: str) -> None:
+    def _down(self, slot: Slot, reason: str, lost_machine: bool = False) -> None:
+        """``lost_machine``: Ray reports the actor's node gone. That is not the slot's fault and
+        does not count against its budget: until Ray notices the node is dead (its health
+        check), a restart may be placed on it again and fail the same way."""
         import ray
 
         with contextlib.suppress(Exception):  # already gone
@@ -119,10 +134,13 @@ class Supervisor:
             self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD)
         slot.actor = slot.run_ref = slot.worker_ref = None
         now = time.monotonic()
-        slot.history.append({"at": now, "reason": reason, "worker_id": slot.worker_id})
+        slot.history.append(
+            {"at": now, "reason": reason, "worker_id": slot.worker_id, "counted": not lost_machine}
+        )
         # the budget counts the restarts of the last restart_window_s: a node that has been
         # healthy for a while gets its budget back
-        slot.restarts = sum(1 for h in slot.history if now - h["at"] <= self.restart_window_s)
+        recent = [h for h in slot.history if now - h["at"] <= self.restart_window_s]
+        slot.restarts = sum(1 for h in recent if h["counted"])
         if slot.restarts > self.max_restarts:
             slot.failed = True
             if slot.worker_id is not None:
@@ -135,7 +153,7 @@ class Supervisor:
             )
             self.say(f"{slot.name}: FAILED after {slot.restarts} restarts ({reason})")
             return
-        delay = min(self.backoff_cap_s, self.backoff_base_s * 2 ** (slot.restarts - 1))
+        delay = min(self.backoff_cap_s, self.backoff_base_s * 2 ** (len(recent) - 1))
         slot.next_start_at = time.monotonic() + delay
         self.buffer.event(
             "worker.restarting",
@@ -168,3 +186,13 @@ class Supervisor:
             ray.kill(s.actor, no_restart=True)
             s.actor = None
         return ids
+
+
+def _machine_lost(e: BaseException) -> bool:
+    """Whether Ray says the actor's node is gone (rather than the actor failing by itself)."""
+    import ray.exceptions
+
+    if isinstance(e, ray.exceptions.NodeDiedError):
+        return True
+    text = str(e).lower()
+    return "node" in text and ("terminated" in text or "died" in text or "dead" in text)
