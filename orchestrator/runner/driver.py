@@ -17,6 +17,7 @@ batch with the current policy, the trainer trains on it, repeat).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -505,7 +506,20 @@ class JobDriver:
             if not ready:
                 keep.append((step, ref))
                 continue
-            reward = ray.get(ref)
+            try:
+                reward = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                # evaluation is not the job: a lost evaluator (its machine died) is replaced,
+                # and this point of the learning curve is missing
+                self.console.print(
+                    f"evaluation at step {step} failed ({type(e).__name__}); "
+                    "restarting the evaluator",
+                    markup=False,
+                )
+                with contextlib.suppress(Exception):
+                    ray.kill(self.evaluator)
+                self._start_evaluator()
+                continue
             self.run_dir.append({"kind": "eval", "step": step, "reward": reward})
             snap.heldout = reward
         self.pending_evals = keep
