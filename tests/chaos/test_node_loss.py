@@ -20,7 +20,7 @@ from orchestrator.services.drills import Drills
 from tests.chaos.test_faults import _config, _driver, _wait
 from tests.integration.buffer_helpers import rows, scalar
 
-# Opt-in: it passed in 3 of my last 6 runs on a 2-core machine. In the failures the job's driver
+# Opt-in: it passed in 2 of 4 runs on a 2-core machine. In the failures the job's driver
 # sat in a trainer call (save_checkpoint) after the worker node's raylet was SIGKILLed, so the
 # supervisor never got to place the restarted nodes; the cause is not found yet.
 pytestmark = [
