@@ -201,9 +201,8 @@ def unchanged(url: str) -> Iterator[None]:
 PYTHON = sys.executable
 
 
-@pytest.fixture(scope="session")
-def ray_local() -> Iterator[Any]:
-    """A local Ray for the session (logical CPUs: actors ask for 1 each, threads are capped)."""
+def init_local_ray() -> None:
+    """Start the tests' local Ray (logical CPUs: actors ask for 1 each, threads are capped)."""
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -214,5 +213,13 @@ def ray_local() -> Iterator[Any]:
         log_to_driver=False,
         configure_logging=False,
     )
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[Any]:
+    """A local Ray for the session."""
+    import ray
+
+    init_local_ray()
     yield ray
     ray.shutdown()

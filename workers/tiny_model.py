@@ -80,7 +80,6 @@ def build_model(
     hidden: int = 64,
     layers: int = 2,
     heads: int = 4,
-    kv_heads: int | None = None,
     init_std: float = 0.02,
     seed: int = 0,
 ) -> Any:
@@ -97,7 +96,7 @@ def build_model(
         intermediate_size=hidden * 4,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=kv_heads or max(1, heads // 2),
+        num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=4096,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,

@@ -129,26 +129,24 @@ def transcript(
 WARM_PROMPTS_FROM = 1_000_000
 
 
-def warm_sources(
-    tasks: tuple[str, ...], per_task: int, *, corpora: int = 4
-) -> list[tuple[str, TaskPlugin, TaskSpec, int]]:
-    """What the warm start plays: (group, plugin, spec, episodes).
+def warm_sources(tasks: tuple[str, ...], *, corpora: int = 4) -> list[tuple[TaskPlugin, TaskSpec]]:
+    """What the warm start plays: (plugin, spec) pairs.
 
-    Every task plays ``per_task`` training prompts of its default spec. ``retrieval`` also
-    plays ``corpora - 1`` other generated encyclopedias (other ``corpus_seed``), so that
-    reading the documents pays and memorising the default corpus's facts does not."""
-    out: list[tuple[str, TaskPlugin, TaskSpec, int]] = []
+    Every task plays its default spec. ``retrieval`` also plays ``corpora - 1`` other
+    generated encyclopedias (other ``corpus_seed``), so that reading the documents pays and
+    memorising the default corpus's facts does not."""
+    out: list[tuple[TaskPlugin, TaskSpec]] = []
     for name in tasks:
         plugin = registry.get(name)
         spec = plugin.Spec()
-        out.append((name, plugin, spec, per_task))
+        out.append((plugin, spec))
         if name == "retrieval":
             from tasks.retrieval import RetrievalSpec
 
             assert isinstance(spec, RetrievalSpec)
             for k in range(1, corpora):
                 other = spec.model_copy(update={"corpus_seed": spec.corpus_seed + k})
-                out.append((name, plugin, other, per_task))
+                out.append((plugin, other))
     return out
 
 
@@ -160,11 +158,12 @@ def build_dataset(
     *,
     corpora: int = 4,
 ) -> list[Transcript]:
-    data = []
-    for group, plugin, spec, n in warm_sources(tasks, per_task, corpora=corpora):
-        for i in range(n):
-            t = transcript(plugin, spec, plugin.prompt(spec, WARM_PROMPTS_FROM + i), tokenizer)
-            data.append(Transcript(t.token_ids, t.loss_mask, group))
+    """``per_task`` solved transcripts of every (plugin, spec) of ``warm_sources``, shuffled."""
+    data = [
+        transcript(plugin, spec, plugin.prompt(spec, WARM_PROMPTS_FROM + i), tokenizer)
+        for plugin, spec in warm_sources(tasks, corpora=corpora)
+        for i in range(per_task)
+    ]
     random.Random(seed).shuffle(data)
     return data
 

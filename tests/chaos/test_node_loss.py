@@ -18,6 +18,7 @@ from orchestrator.buffer.invariants import check_invariants
 from orchestrator.db.engine import Database
 from orchestrator.services.drills import Drills
 from tests.chaos.test_faults import _config, _driver, _wait
+from tests.conftest import init_local_ray
 from tests.integration.buffer_helpers import rows, scalar
 
 # Opt-in: it passed in 2 of 4 runs on a 2-core machine. In the failures the job's driver
@@ -49,6 +50,7 @@ def cluster(ray_local: Any) -> Iterator[Any]:
         ray.shutdown()
         c.shutdown()
         os.environ.pop("RAY_ADDRESS", None)
+        init_local_ray()
         ray.init(
             address="local",
             num_cpus=8,
@@ -71,8 +73,6 @@ def test_losing_the_ray_node_of_the_rollout_nodes(
         update={"trainer": cfg.trainer.model_copy(update={"resources": {"trainer": 1}})}
     )
     driver = _driver(cfg, db, tiny_dir, tmp_path)
-    seen: dict[str, Any] = {}
-
     outcome: dict[str, Any] = {}
 
     def run() -> None:  # the job in a thread: Ray's cluster_utils adds nodes from the main one
@@ -91,8 +91,7 @@ def test_losing_the_ray_node_of_the_rollout_nodes(
         before = rows(engine, alive)
         assert {n for _, n in before} == {worker_node.node_id}  # both on the worker node
         spare = cluster.add_node(num_cpus=2, resources={"rollout": 2})
-        seen["spare"] = spare.node_id
-        seen["report"] = Drills(db, "chaos", timeout_s=180).kill_node(worker_node.node_id)
+        report = Drills(db, "chaos", timeout_s=180).kill_node(worker_node.node_id)
         t.join(timeout=300)
         assert not t.is_alive(), "the job did not finish after the node loss"
     finally:
@@ -102,7 +101,6 @@ def test_losing_the_ray_node_of_the_rollout_nodes(
         driver.close()
     assert "error" not in outcome, outcome
     result = outcome["result"]
-    report = seen["report"]
     print(json.dumps(report.to_json()))  # the figures, with -s
     assert report.passed, report.to_json()
     assert report.lost == 0 and report.duplicated == 0
@@ -113,7 +111,7 @@ def test_losing_the_ray_node_of_the_rollout_nodes(
     moved = rows(
         engine,
         "SELECT DISTINCT name FROM workers WHERE role = 'rollout' AND node_id = :n",
-        n=seen["spare"],
+        n=spare.node_id,
     )
     assert {m for (m,) in moved} == {"rollout-0", "rollout-1"}
     job = scalar(engine, "SELECT id FROM jobs WHERE name = 'chaos'")
