@@ -105,6 +105,8 @@ class HFEngineConfig(StrictModel):
 
     kind: Literal["hf"] = "hf"
     device: str = "cpu"
+    # KV caches kept for reuse across turns (tokens, all sequences together; 0: no reuse)
+    kv_cache_tokens: int = Field(default=65_536, ge=0)
 
 
 class VLLMEngineConfig(StrictModel):

@@ -3,8 +3,10 @@
 1. tokens/s with 1, 4 and 16 concurrent agent loops on one node (loops share the engine through
    dynamic batching); agent loops play the ``guess`` task for ``--turns`` turns of
    ``--tokens-per-turn`` tokens each;
-2. per-turn latency on one 10-turn trajectory (a long tool observation after every turn, so
-   the context grows), with the KV cache reused across turns vs the context prefilled again.
+2. per-turn latency of 10-turn trajectories (a long tool observation after every turn, so
+   the context grows), with the KV cache reused across turns vs the context prefilled again:
+   one trajectory alone, and 16 generated as one batch (batched KV reuse: every row starts
+   from its own cached prefix).
 
 The model is the tiny local one (built into a temporary folder unless ``--model`` is given).
 
@@ -63,22 +65,25 @@ def run_loops(hf: HFEngine, loops: int, turns: int, tokens_per_turn: int) -> dic
     }
 
 
-def kv_turns(hf: HFEngine, turns: int, tokens_per_turn: int, reuse: bool) -> list[float]:
-    """Per-turn generate latency (s) of one growing trajectory."""
+def kv_turns(
+    hf: HFEngine, turns: int, tokens_per_turn: int, reuse: bool, rows: int = 1
+) -> list[float]:
+    """Per-turn generate latency (s) of ``rows`` growing trajectories generated together."""
     hf.kv_reuse = reuse
-    hf._cache, hf._cache_ids = None, []
-    ctx = list(
-        hf.tokenizer.encode("<|system|>\nTools: search, open\n<|user|>\nFind it.\n<|assistant|>\n")
-    )
-    observation = list(
-        hf.tokenizer.encode("\n<|tool|>\n" + "result line " * 60 + "\n<|assistant|>\n")
-    )
+    hf.kv.clear()
+    tok = hf.tokenizer
+    ctxs = [
+        list(tok.encode(f"<|system|>\nTools: search, open\n<|user|>\nFind {i}.\n<|assistant|>\n"))
+        for i in range(rows)
+    ]
+    observation = list(tok.encode("\n<|tool|>\n" + "result line " * 60 + "\n<|assistant|>\n"))
     latencies = []
     for _ in range(turns):
         t0 = time.perf_counter()
-        gen = hf.generate([GenerationRequest(ctx, tokens_per_turn, 1.0)])[0]
+        gens = hf.generate([GenerationRequest(c, tokens_per_turn, 1.0) for c in ctxs])
         latencies.append(time.perf_counter() - t0)
-        ctx += gen.token_ids + observation
+        for c, gen in zip(ctxs, gens, strict=True):
+            c += gen.token_ids + observation
     return latencies
 
 
@@ -105,6 +110,8 @@ def main() -> None:
         kv_turns(hf, 2, 8, True)  # warm-up
         reuse = kv_turns(hf, 10, 32, True)
         prefill = kv_turns(hf, 10, 32, False)
+        batch_reuse = kv_turns(hf, 10, 32, True, rows=16)
+        batch_prefill = kv_turns(hf, 10, 32, False, rows=16)
         hf.kv_reuse = True
     print(
         f"# rollout benchmark: hf engine on CPU, {params / 1e6:.2f}M-parameter model, "
@@ -122,6 +129,11 @@ def main() -> None:
         f"{1000 * prefill[-1]:.1f} ms"
     )
     print(
+        f"16 10-turn trajectories as one batch, mean per-turn latency: KV reuse "
+        f"{1000 * sum(batch_reuse) / 10:.1f} ms, re-prefill {1000 * sum(batch_prefill) / 10:.1f} "
+        f"ms; last turn {1000 * batch_reuse[-1]:.1f} vs {1000 * batch_prefill[-1]:.1f} ms"
+    )
+    print(
         json.dumps(
             {
                 "bench": "rollout",
@@ -134,6 +146,10 @@ def main() -> None:
                 "turn_ms_reprefill": round(1000 * sum(prefill) / len(prefill), 2),
                 "last_turn_ms_kv_reuse": round(1000 * reuse[-1], 2),
                 "last_turn_ms_reprefill": round(1000 * prefill[-1], 2),
+                "batch16_turn_ms_kv_reuse": round(1000 * sum(batch_reuse) / 10, 2),
+                "batch16_turn_ms_reprefill": round(1000 * sum(batch_prefill) / 10, 2),
+                "batch16_last_turn_ms_kv_reuse": round(1000 * batch_reuse[-1], 2),
+                "batch16_last_turn_ms_reprefill": round(1000 * batch_prefill[-1], 2),
             }
         )
     )

@@ -146,6 +146,9 @@ class RolloutNode:
             "tokens_generated": h.tokens_generated,
             "engine_batches": self.engine.batches,
             "engine_batched_requests": self.engine.batched_requests,
+            # context tokens served from the engine's KV caches vs prefilled (engines that say)
+            "kv_reused_tokens": getattr(self.base_engine, "reused_tokens", 0),
+            "kv_prefilled_tokens": getattr(self.base_engine, "prefilled_tokens", 0),
         }
 
     def stop(self) -> None:

@@ -20,6 +20,7 @@ class Generation:
     logprobs: list[float]  # log-prob of each generated token under the sampling distribution
     finish_reason: str  # "stop" (stop token) or "length"
     version: int  # the policy version that generated them
+    cached_tokens: int = 0  # context tokens whose KV came from a cache (not prefilled again)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ def make_engine(config: EngineConfig, model_dir: str | Path, *, seed: int = 0) -
     if isinstance(config, HFEngineConfig):
         from workers.rollout.engines.hf import HFEngine
 
-        return HFEngine(model_dir, device=config.device, seed=seed)
+        return HFEngine(
+            model_dir, device=config.device, seed=seed, kv_cache_tokens=config.kv_cache_tokens
+        )
     if isinstance(config, VLLMEngineConfig):
         from workers.rollout.engines.vllm import VLLMEngine
 

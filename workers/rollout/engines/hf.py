@@ -1,12 +1,22 @@
 """The ``hf`` engine: transformers on CPU or GPU, the default engine and the one tests use.
 
-Concurrent requests are generated as one left-padded batch. A request that arrives alone and
-continues the sequence generated last (the next turn of the same trajectory: its context starts
-with the cached tokens) reuses that sequence's KV cache instead of prefilling the whole context
-again (``kv_reuse``); the cache is dropped when new weights are loaded. Behaviour log-probs
-come from the raw logits divided by the temperature (``output_logits``), never from the
-processed scores (which would include top-k and other warpers): with plain sampling at
-temperature T they are exactly the log-probs of the distribution the tokens were drawn from.
+Concurrent requests (the agent loops of a node, gathered by ``BatchingEngine``) are generated
+together by the engine's own sampling loop over the model's forward pass:
+
+- **KV reuse, batched.** The engine keeps the KV cache of every sequence it generated
+  (``KVStore``, bounded by ``kv_cache_tokens``). A request whose context shares a prefix with
+  one of them (the next turn of the same trajectory shares all of it; another sample of the same
+  prompt shares the prompt) starts from that cache and only prefills the rest. The rows of a
+  batch are right-aligned: each row's cached tokens sit left of one common suffix window of
+  width S (the longest uncached suffix), so the batch's prefill is B x S tokens instead of
+  B x (longest context). A row whose uncached part is shorter than S feeds the last few cached
+  tokens again (their cache is cropped), which keeps the layout rectangular. Positions come
+  from each row's own token count, so left padding never shifts them.
+- **Behaviour log-probs** are the log-softmax of the raw logits divided by the temperature,
+  at the sampled token: with plain sampling (no top-k, top-p or other warpers, which this
+  loop does not have) they are exactly the log-probs of the distribution each token was drawn
+  from, and equal a teacher-forced forward pass.
+- Loading new weights drops every cache (computed with the old weights).
 """
 
 from __future__ import annotations
@@ -15,7 +25,12 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from workers.rollout.engines.base import EngineHealth, Generation, GenerationRequest
+from workers.rollout.engines.kvstore import KVEntry, KVStore
+
+DEFAULT_KV_CACHE_TOKENS = 65_536
 
 
 class HFEngine:
@@ -27,16 +42,18 @@ class HFEngine:
         version: int = 0,
         seed: int = 0,
         kv_reuse: bool = True,
+        kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
     ) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        self._torch = torch
-        self.device = torch.device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+        from transformers.cache_utils import DynamicLayer
         from transformers.utils import logging as hf_logging
 
+        self._torch = torch
+        self._DynamicCache = DynamicCache
+        self.device = torch.device(device)
         hf_logging.disable_progress_bar()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         model = AutoModelForCausalLM.from_pretrained(str(model_dir))
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.eos_id = int(self.tokenizer.eos_token_id)
@@ -45,11 +62,16 @@ class HFEngine:
         self._tokens = 0
         self._requests = 0
         self._lock = threading.Lock()
-        self.kv_reuse = kv_reuse
-        self._cache: Any = None  # KV cache of the last single-request generation ...
-        self._cache_ids: list[int] = []  # ... and the tokens it covers
-        self.cache_hits = 0
-        torch.manual_seed(seed)
+        # Reuse needs plain full-attention layers (a sliding-window layer drops old tokens).
+        probe = DynamicCache(config=self.model.config)
+        self._reusable = all(type(layer) is DynamicLayer for layer in probe.layers)
+        self.kv_reuse = kv_reuse and self._reusable and kv_cache_tokens > 0
+        self.kv = KVStore(kv_cache_tokens)
+        self.cache_hits = 0  # requests that started from a cached prefix
+        self.reused_tokens = 0  # context tokens not prefilled thanks to a cache
+        self.prefilled_tokens = 0  # context tokens the forward pass computed
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed)
 
     @property
     def version(self) -> int:
@@ -74,58 +96,127 @@ class HFEngine:
         self, requests: list[GenerationRequest], temperature: float, version: int
     ) -> list[Generation]:
         torch = self._torch
-        width = max(len(r.prompt_ids) for r in requests)
-        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for row, r in enumerate(requests):  # left padding
-            ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            mask[row, width - len(r.prompt_ids) :] = 1
-        max_new = max(r.max_new_tokens for r in requests)
-        reuse: dict[str, Any] = {}
-        single = len(requests) == 1 and self.kv_reuse
-        if single and self._cache is not None:
-            n = len(self._cache_ids)
-            prompt = requests[0].prompt_ids
-            if len(prompt) > n and prompt[:n] == self._cache_ids:
-                reuse["cache"] = self._cache
-                self.cache_hits += 1
-        self._cache, self._cache_ids = None, []
-        result = self.model.generate(
-            **reuse,
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            do_sample=True,
-            temperature=temperature,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=max_new,
-            eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        if single and getattr(result, "cache", None) is not None:
-            covered = result.cache.get_seq_length()
-            self._cache, self._cache_ids = result.cache, result.sequences[0, :covered].tolist()
-        new = result.sequences[:, width:]  # [B, T]
-        logits = torch.stack(result.logits, dim=1).float() / temperature  # [B, T, V]
-        logprobs = (
-            torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        )  # [B, T]
+        dev = self.device
+        prompts = [np.asarray(r.prompt_ids, dtype=np.int64) for r in requests]
+        if any(p.shape[0] == 0 for p in prompts):
+            raise ValueError("a generation request needs at least one context token")
+        lengths = [int(p.shape[0]) for p in prompts]
+        matches = [self.kv.match(p) if self.kv_reuse else (None, 0) for p in prompts]
+        # The common suffix window: every row feeds its last S tokens (or all of them).
+        width = max(n - c for n, (_, c) in zip(lengths, matches, strict=True))
+        kept = [max(0, n - width) for n in lengths]  # cached tokens each row starts from
+        past = max(kept)
+        rows = len(requests)
+        mask = torch.zeros((rows, past + width), dtype=torch.long)  # [B, K+S]
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)  # [B, S]
+        for i, (p, k) in enumerate(zip(prompts, kept, strict=True)):
+            mask[i, past - k : past] = 1
+            tail = p[k:]
+            ids[i, width - tail.shape[0] :] = torch.from_numpy(tail)
+            mask[i, past + width - tail.shape[0] :] = 1
+        cache = self._assemble(matches, kept, past)
+        # an entry that the new sequence extends (its ids are a prefix of the context)
+        extends = [key is not None and reused == self.kv.get(key).length for key, reused in matches]
+        self.prefilled_tokens += sum(n - k for n, k in zip(lengths, kept, strict=True))
+        self.reused_tokens += sum(kept)
+        self.cache_hits += sum(1 for k in kept if k > 0)
+
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, K+S]
+        step_ids, step_pos = ids, positions[:, past:]
+        next_pos = torch.tensor(lengths, dtype=torch.long)  # [B]
+        limits = [r.max_new_tokens for r in requests]
+        out_ids: list[list[int]] = [[] for _ in requests]
+        out_lps: list[list[float]] = [[] for _ in requests]
+        active = [limit > 0 for limit in limits]
+        while any(active):
+            out = self.model(
+                input_ids=step_ids.to(dev),
+                attention_mask=mask.to(dev),
+                position_ids=step_pos.to(dev),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            # the cache grew in place by the fed tokens
+            logits = out.logits[:, -1, :].float() / temperature  # [B, V]
+            logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+            tokens = torch.multinomial(logprobs.exp(), 1, generator=self._generator)  # [B, 1]
+            chosen = logprobs.gather(-1, tokens).squeeze(-1).cpu()  # [B]
+            tokens = tokens.squeeze(-1).cpu()  # [B]
+            fed = torch.zeros((rows, 1), dtype=torch.long)  # [B, 1]: the next input's mask
+            for i in range(rows):
+                if not active[i]:
+                    continue
+                tok = int(tokens[i])
+                out_ids[i].append(tok)
+                out_lps[i].append(float(chosen[i]))
+                if tok == self.eos_id or len(out_ids[i]) >= limits[i]:
+                    active[i] = False
+                else:
+                    fed[i, 0] = 1
+            if not any(active):
+                break
+            step_ids = torch.where(fed.bool(), tokens.unsqueeze(-1), self.pad_id)  # [B, 1]
+            step_pos = next_pos.unsqueeze(-1).clone()  # [B, 1]
+            next_pos += fed.squeeze(-1)
+            mask = torch.cat([mask, fed], dim=-1)
+
+        if self.kv_reuse and any(out_ids):
+            self._store(cache, mask, prompts, out_ids, matches, extends)
         gens = []
-        for row, r in enumerate(requests):
-            toks = new[row].tolist()
-            lps = logprobs[row].tolist()
-            limit = r.max_new_tokens
-            if self.eos_id in toks[:limit]:
-                end = toks.index(self.eos_id) + 1
-                reason = "stop"
-            else:
-                end = min(limit, len(toks))
-                reason = "length"
-            gens.append(Generation(toks[:end], lps[:end], reason, version))
-            self._tokens += end
+        for toks, lps, k in zip(out_ids, out_lps, kept, strict=True):
+            reason = "stop" if toks and toks[-1] == self.eos_id else "length"
+            gens.append(Generation(toks, lps, reason, version, cached_tokens=k))
+            self._tokens += len(toks)
         return gens
+
+    def _assemble(self, matches: list[tuple[int | None, int]], kept: list[int], past: int) -> Any:
+        """A batch cache of ``past`` positions: row i's first ``kept[i]`` cached tokens,
+        right-aligned (left-padded with zeros that the attention mask hides)."""
+        torch = self._torch
+        if past == 0:
+            return self._DynamicCache(config=self.model.config)
+        rows = len(matches)
+        entries = [
+            self.kv.get(key) if key is not None and k else None
+            for (key, _), k in zip(matches, kept, strict=True)
+        ]
+        template = next(e for e in entries if e is not None)
+        layers = []
+        for layer, (k0, v0) in enumerate(template.kv):
+            heads, _, dim = k0.shape
+            keys = torch.zeros((rows, heads, past, dim), dtype=k0.dtype, device=k0.device)
+            values = torch.zeros(
+                (rows, v0.shape[0], past, v0.shape[2]), dtype=v0.dtype, device=v0.device
+            )
+            for i, (entry, k) in enumerate(zip(entries, kept, strict=True)):
+                if entry is not None:
+                    keys[i, :, past - k :] = entry.kv[layer][0][:, :k]
+                    values[i, :, past - k :] = entry.kv[layer][1][:, :k]
+            layers.append((keys, values))
+        return self._DynamicCache(ddp_cache_data=layers, config=self.model.config)
+
+    def _store(
+        self,
+        cache: Any,
+        mask: Any,
+        prompts: list[np.ndarray],
+        generated: list[list[int]],
+        matches: list[tuple[int | None, int]],
+        extends: list[bool],
+    ) -> None:
+        """Keep each row's KV for the tokens it fed: its context and every generated token
+        but the last (a token is fed on the step after it is sampled)."""
+        torch = self._torch
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        for i, (p, g) in enumerate(zip(prompts, generated, strict=True)):
+            fed_ids = np.concatenate([p, np.asarray(g[:-1], dtype=np.int64)])
+            columns = torch.nonzero(mask[i], as_tuple=True)[0]  # [L]
+            if columns.shape[0] != fed_ids.shape[0]:  # pragma: no cover - an engine bug
+                raise AssertionError("the batch cache does not cover the row's tokens")
+            columns = columns.to(self.device)
+            kv = [(k[i].index_select(1, columns), v[i].index_select(1, columns)) for k, v in layers]
+            self.kv.put(KVEntry(fed_ids, kv), supersedes=matches[i][0] if extends[i] else None)
 
     def load_weights(self, version: int, location: str) -> None:
         from safetensors.torch import load_file
@@ -137,7 +228,7 @@ class HFEngine:
             if bad:
                 raise ValueError(f"weights of version {version} do not fit the model: {bad[:5]}")
             self._version = version
-            self._cache, self._cache_ids = None, []  # computed with the old weights
+            self.kv.clear()  # computed with the old weights
 
     def health(self) -> EngineHealth:
         return EngineHealth(self._version, self._tokens, self._requests)
