@@ -110,13 +110,28 @@ class HFEngineConfig(StrictModel):
 
 
 class VLLMEngineConfig(StrictModel):
-    """vLLM on a CUDA GPU (the ``rollcall[vllm]`` extra)."""
+    """vLLM's async engine on CUDA GPUs (the ``rollcall[vllm]`` extra). The fields are vLLM
+    engine arguments of the same names; unset ones take vLLM's defaults."""
 
     kind: Literal["vllm"] = "vllm"
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    max_model_len: int | None = Field(default=None, ge=16)
+    max_model_len: int | None = Field(
+        default=None, ge=16, description="context length (prompt + output); default: the model's"
+    )
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = Field(
+        default="auto", description="weights and activations; auto: BF16 for BF16 models, else FP16"
+    )
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, description="GPUs per engine (rollout.gpus_per_node must cover them)"
+    )
+    enforce_eager: bool = Field(
+        default=False, description="no CUDA graphs or compilation: a faster start, slower steps"
+    )
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, description="sequences per engine step; default: vLLM's"
+    )
 
 
 EngineConfig = Annotated[HFEngineConfig | VLLMEngineConfig, Field(discriminator="kind")]
@@ -165,6 +180,24 @@ class RolloutConfig(StrictModel):
         gt=0,
         description="a (re)started node that has not registered by then is killed and retried",
     )
+
+    @model_validator(mode="after")
+    def _vllm_fits(self) -> RolloutConfig:
+        e = self.engine
+        if not isinstance(e, VLLMEngineConfig):
+            return self
+        if self.gpus_per_node < e.tensor_parallel_size:
+            raise ValueError(
+                f"rollout.gpus_per_node ({self.gpus_per_node:g}) must be at least "
+                f"rollout.engine.tensor_parallel_size ({e.tensor_parallel_size}): each node's "
+                "vLLM engine runs on the GPUs Ray gives the node"
+            )
+        if e.max_model_len is not None and e.max_model_len < self.max_tokens:
+            raise ValueError(
+                f"rollout.engine.max_model_len ({e.max_model_len}) must be at least "
+                f"rollout.max_tokens ({self.max_tokens}): a whole trajectory is one context"
+            )
+        return self
 
 
 class TrainerConfig(StrictModel):

@@ -112,6 +112,22 @@ def test_engine_is_chosen_by_kind_and_vllm_fails_clearly_without_vllm(tmp_path: 
             make_engine(v, tmp_path)
 
 
+def test_a_vllm_engine_needs_its_gpus_and_a_context_for_whole_trajectories(
+    tmp_path: Path,
+) -> None:
+    from orchestrator.config import VLLMEngineConfig
+
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  engine: {kind: vllm, tensor_parallel_size: 2}\n")
+    with pytest.raises(UserError, match=r"rollout.gpus_per_node \(0\) must be at least .* \(2\)"):
+        load_config(p)
+    with pytest.raises(UserError, match=r"max_model_len \(1024\) must be at least .* \(2048\)"):
+        load_config(p, ["rollout.gpus_per_node=2", "rollout.engine.max_model_len=1024"])
+    ok = ["rollout.gpus_per_node=2", "rollout.engine.max_model_len=1024", "rollout.max_tokens=1024"]
+    engine = load_config(p, ok).rollout.engine
+    assert isinstance(engine, VLLMEngineConfig) and engine.max_model_len == 1024
+
+
 def test_loss_temperature_must_match_the_sampling_temperature(tmp_path: Path) -> None:
     p = tmp_path / "c.yaml"
     p.write_text("rollout:\n  temperature: 0.7\n")

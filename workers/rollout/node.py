@@ -34,7 +34,7 @@ from orchestrator.db.engine import open_database
 from orchestrator.errors import StaleLeaseError
 from tasks import registry
 from workers.rollout.agent import AgentLoop, Limits, Trajectory
-from workers.rollout.engines.base import GenerationRequest
+from workers.rollout.engines.base import Engine, GenerationRequest
 from workers.rollout.engines.batching import BatchingEngine
 from workers.rollout.engines.factory import make_engine
 from workers.rollout.tools import ToolRunner
@@ -85,7 +85,12 @@ class RolloutNode:
         self.db = open_database(database_url, pool_size=config.concurrency + 2)
         self.buffer = Buffer(self.db, job_id, buffer or BufferConfig())
         self.base_engine = make_engine(config.engine, config.model_dir, seed=config.seed)
-        self.engine = BatchingEngine(self.base_engine, max_batch=max(1, config.concurrency))
+        # The agent loops share one generate call (BatchingEngine), unless the engine batches
+        # concurrent requests itself (vLLM): then each loop's request goes to it directly.
+        self.batcher: BatchingEngine | None = None
+        if not getattr(self.base_engine, "batches_itself", False):
+            self.batcher = BatchingEngine(self.base_engine, max_batch=max(1, config.concurrency))
+        self.engine: Engine = self.batcher or self.base_engine
         self.tokenizer = self.base_engine.tokenizer
         # Registered once the engine is up: liveness is judged from here on.
         self.worker = self.buffer.register_worker(
@@ -138,14 +143,15 @@ class RolloutNode:
         return self.engine.version
 
     def report(self) -> dict[str, Any]:
-        h = self.base_engine.health()
+        h, b = self.base_engine.health(), self.batcher
         return {
             "worker_id": self.worker.id,
             **asdict(self.stats),
             "version": h.version,
             "tokens_generated": h.tokens_generated,
-            "engine_batches": self.engine.batches,
-            "engine_batched_requests": self.engine.batched_requests,
+            # generate calls the engine received and the requests in them
+            "engine_batches": b.batches if b else h.requests,
+            "engine_batched_requests": b.batched_requests if b else h.requests,
             # context tokens served from the engine's KV caches vs prefilled (engines that say)
             "kv_reused_tokens": getattr(self.base_engine, "reused_tokens", 0),
             "kv_prefilled_tokens": getattr(self.base_engine, "prefilled_tokens", 0),

@@ -1,5 +1,9 @@
 """The engine protocol: generate tokens with their behaviour log-probs, load the weights of a
-policy version, report health and progress."""
+policy version, report health and progress.
+
+An engine that batches concurrent requests itself (vLLM's continuous batching) sets the class
+attribute ``batches_itself = True``; a rollout node then sends each agent loop's request to it
+directly instead of gathering them into one call (``BatchingEngine``)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,10 @@ def make_engine(config: EngineConfig, model_dir: str | Path, *, seed: int = 0) -
             enable_prefix_caching=config.enable_prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_model_len=config.max_model_len,
+            dtype=config.dtype,
+            tensor_parallel_size=config.tensor_parallel_size,
+            enforce_eager=config.enforce_eager,
+            max_num_seqs=config.max_num_seqs,
             seed=seed,
         )
     raise TypeError(f"unknown engine config {config!r}")  # pragma: no cover
