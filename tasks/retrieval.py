@@ -1,10 +1,19 @@
 """``retrieval``: questions about a generated encyclopedia, answered with ``search`` and ``open``.
 
 The corpus (fictional countries and their cities) is generated deterministically from the
-spec's ``corpus_seed``; nothing is downloaded. Questions need one lookup ("When was Varnholt
-founded?") or two ("What does the capital of Zephyria export?"), so trajectories are longer and
-use two different tools. Reward: 1 for the right answer (case, punctuation and thousands
-separators ignored), else 0.
+spec's ``corpus_seed``; nothing is downloaded. Questions need one lookup ("Varnholt: what is its
+export?") or two ("Zephyria: what is the export of its capital?"), so trajectories are longer
+and use two different tools. ``search`` lists matching documents by name and kind ("Varnholt
+(city)"); ``open`` takes a document's name and returns its text ("Varnholt is a city, country
+Zephyria, founded 1384, population 23900, export tea."). Reward: 1 for the right answer (case
+and punctuation ignored), else 0.
+
+Shaped so that a small model can learn it: the subject comes first in every question, a
+document is opened by the name the question and the search results already use, each fact's
+value follows its keyword directly in the text, and answers are single words or names. Place
+names come from a fixed list (``NAMES``) while it lasts, so a tokenizer can hold each name as
+one token (the project's tiny model does). Every step is then a copy of one token the context
+holds, chosen by a keyword of the question.
 """
 
 from __future__ import annotations
@@ -27,12 +36,14 @@ _SYLLABLES = (
 _EXPORTS = ("copper", "salt", "timber", "wool", "glass", "silk", "tea", "iron", "amber", "wine")
 _CURRENCIES = ("lira", "crown", "mark", "dinar", "florin", "real", "shell", "thaler")
 _WORD = re.compile(r"[a-z0-9]+")
+WORDS = _EXPORTS + _CURRENCIES  # the values of the facts that are not place names
 
 
 @dataclass(frozen=True)
 class Doc:
-    id: str
+    id: str  # the title, lower-cased
     title: str
+    kind: str  # "country" or "city"
     text: str
 
 
@@ -42,60 +53,81 @@ class Corpus:
     facts: tuple[tuple[str, str, str], ...]  # (kind, subject, answer) the questions are built on
 
 
-def _name(r: random.Random, used: set[str]) -> str:
+def random_name(r: random.Random) -> str:
+    """A fictional name of two or three syllables, as the corpus's places are named."""
     while True:
         n = "".join(r.choice(_SYLLABLES) for _ in range(r.randint(2, 3))).capitalize()
-        if n not in used and len(n) >= 5:
-            used.add(n)
+        if len(n) >= 5:
             return n
+
+
+def _fixed_names(count: int) -> tuple[str, ...]:
+    r = random.Random("retrieval-names")
+    names: dict[str, None] = {}
+    while len(names) < count:
+        names[random_name(r)] = None
+    return tuple(names)
+
+
+# The place names corpora draw from (then random ones, for corpora larger than the list).
+NAMES = _fixed_names(320)
+
+
+def _names(r: random.Random, count: int) -> list[str]:
+    picked = r.sample(NAMES, min(count, len(NAMES)))
+    used = set(picked)
+    while len(picked) < count:
+        n = random_name(r)
+        if n not in used:
+            used.add(n)
+            picked.append(n)
+    return picked
 
 
 @functools.lru_cache(maxsize=8)
 def build_corpus(seed: int, countries: int, cities_per_country: int) -> Corpus:
     r = random.Random(f"retrieval-corpus:{seed}")
-    used: set[str] = set()
+    names = iter(_names(r, countries * (1 + cities_per_country)))
     docs: dict[str, Doc] = {}
     facts: list[tuple[str, str, str]] = []
     for _ in range(countries):
-        country = _name(r, used)
-        cities = [_name(r, used) for _ in range(cities_per_country)]
+        country = next(names)
+        cities = [next(names) for _ in range(cities_per_country)]
         capital = cities[0]
         currency = r.choice(_CURRENCIES)
-        cdoc = f"country-{country.lower()}"
+        cdoc = country.lower()
         docs[cdoc] = Doc(
             cdoc,
             country,
-            f"{country} is a country. Its capital is {capital}. Its currency is the {currency}. "
-            f"Its cities include {', '.join(cities)}.",
+            "country",
+            f"{country} is a country, capital {capital}, currency {currency}, cities "
+            f"{', '.join(cities)}.",
         )
-        facts.append(("capital", country, capital))
+        facts += [("capital", country, capital), ("currency", country, currency)]
         for city in cities:
             founded = r.randint(800, 1900)
             population = r.randint(2, 900) * 100
             export = r.choice(_EXPORTS)
-            did = f"city-{city.lower()}"
+            did = city.lower()
             docs[did] = Doc(
                 did,
                 city,
-                f"{city} is a city in {country}. It was founded in {founded}. Its population is "
-                f"{population:,}. Its main export is {export}.",
+                "city",
+                f"{city} is a city, country {country}, founded {founded}, population "
+                f"{population}, export {export}.",
             )
-            facts += [
-                ("founded", city, str(founded)),
-                ("population", city, str(population)),
-                ("export", city, export),
-            ]
+            facts += [("country", city, country), ("export", city, export)]
             if city == capital:
                 facts.append(("capital_export", country, export))
     return Corpus(docs, tuple(facts))
 
 
 _QUESTIONS = {
-    "capital": "What is the capital of {s}?",
-    "founded": "In which year was {s} founded?",
-    "population": "What is the population of {s}?",
-    "export": "What is the main export of {s}?",
-    "capital_export": "What is the main export of the capital of {s}?",
+    "capital": "{s}: what is its capital?",
+    "currency": "{s}: what is its currency?",
+    "country": "{s}: which country is it in?",
+    "export": "{s}: what is its export?",
+    "capital_export": "{s}: what is the export of its capital?",
 }
 
 
@@ -143,7 +175,7 @@ class RetrievalTask(SplitTask):
         return [
             Tool(
                 "search",
-                "Find documents whose title or text matches the query; returns ids and titles.",
+                "Find documents whose name or text matches the query; returns their names.",
                 {
                     "type": "object",
                     "properties": {"query": {"type": "string"}},
@@ -152,11 +184,11 @@ class RetrievalTask(SplitTask):
             ),
             Tool(
                 "open",
-                "Read the document with this id.",
+                "Read the document with this name.",
                 {
                     "type": "object",
-                    "properties": {"doc_id": {"type": "string"}},
-                    "required": ["doc_id"],
+                    "properties": {"name": {"type": "string"}},
+                    "required": ["name"],
                 },
             ),
         ]
@@ -184,16 +216,16 @@ class RetrievalTask(SplitTask):
                 body = set(_WORD.findall(doc.text.lower()))
                 score = 3 * len(words & title) + len(words & body)
                 if score:
-                    scored.append((-score, doc.id, doc.title))
+                    scored.append((-score, doc.id, doc.title, doc.kind))
             scored.sort()
-            lines = [f"{i}: {t}" for _, i, t in scored[:SEARCH_RESULTS]]
+            lines = [f"{t} ({k})" for _, _, t, k in scored[:SEARCH_RESULTS]]
             state = {**state, "searches": int(state.get("searches", 0)) + 1}
             return Observation("\n".join(lines) if lines else "no documents found", state)
         if name == "open":
-            require_args(arguments, doc_id=str)
-            found = corpus.docs.get(arguments["doc_id"].strip())
+            require_args(arguments, name=str)
+            found = corpus.docs.get(arguments["name"].strip().lower())
             if found is None:
-                raise ToolError(f"no document {arguments['doc_id']!r}; search for an id first")
+                raise ToolError(f"no document {arguments['name']!r}; search for its name first")
             opened = [*state.get("opened", []), found.id]
             return Observation(found.text, {**state, "opened": opened})
         return super().call_tool(spec, prompt, state, name, arguments)

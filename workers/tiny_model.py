@@ -44,9 +44,18 @@ def corpus_lines(n_per_task: int = 300) -> Iterator[str]:
 
 
 def build_tokenizer(vocab_size: int = 512) -> Any:
-    """A byte-level BPE trained on the built-in tasks' text, pre-split by ``COPY_SPLIT``; saved
-    as a ``tokenizer.json`` that ``AutoTokenizer`` loads to the same encoding."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A byte-level BPE trained on the built-in tasks' text, pre-split by ``COPY_SPLIT``, plus
+    the retrieval task's place names as whole-word tokens; saved as a ``tokenizer.json`` that
+    ``AutoTokenizer`` loads to the same encoding."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     from workers.rollout.chat import END, SPECIAL_TOKENS
@@ -66,6 +75,11 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(list(corpus_lines()), trainer=trainer)
+    # Every place name of the retrieval task is one token (whole words only): the tiny model
+    # copies one token from a question or a document reliably, a run of letters it does not.
+    from tasks.retrieval import NAMES
+
+    tok.add_tokens([AddedToken(n, single_word=True) for n in NAMES])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,

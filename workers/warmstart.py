@@ -23,8 +23,8 @@ from workers.rollout.chat import END, Answer, observation_text, parse_turn, prom
 Oracle = Callable[[str | None], str]
 
 
-def _tool(name: str, **arguments: Any) -> str:
-    return f"<tool>{json.dumps({'name': name, 'arguments': arguments})}</tool>"
+def _tool(tool: str, **arguments: Any) -> str:
+    return f"<tool>{json.dumps({'name': tool, 'arguments': arguments})}</tool>"
 
 
 def make_oracle(task: str, prompt: dict[str, Any], spec: TaskSpec) -> Oracle:
@@ -59,8 +59,8 @@ def make_oracle(task: str, prompt: dict[str, Any], spec: TaskSpec) -> Oracle:
                 return _tool("search", query=subject)
             if steps[-1] == "search":
                 steps.append("open")
-                return _tool("open", doc_id=obs.splitlines()[0].split(":")[0])
-            capital = re.search(r"Its capital is (\w+)", obs)
+                return _tool("open", name=obs.splitlines()[0].split(" (")[0])
+            capital = re.search(r"capital (\w+)", obs)
             if prompt["kind"] == "capital_export" and capital and "capital" not in steps:
                 steps.extend(["capital", "search"])
                 return _tool("search", query=capital.group(1))
@@ -150,6 +150,43 @@ def warm_sources(tasks: tuple[str, ...], *, corpora: int = 4) -> list[tuple[Task
     return out
 
 
+COPY_GROUP = "copy"
+
+
+def copy_drills(tokenizer: Any, n: int, seed: int) -> list[Transcript]:
+    """``n`` drills in copying, in the chat format (group ``COPY_GROUP``; not a task): repeat
+    one to four random items, each a place name, a word of the built-in tasks or a number.
+    Random items in random order teach the model to copy what the context holds (the skill
+    every retrieval step and every calculator expression needs) instead of writing a likely
+    name, word or number."""
+    from tasks.retrieval import NAMES, WORDS
+
+    rng = random.Random(f"copy-drills:{seed}")
+
+    def item() -> str:
+        u = rng.random()
+        if u < 0.5:
+            return rng.choice(NAMES)
+        if u < 0.75:
+            return rng.choice(WORDS)
+        return str(rng.randint(0, 999))
+
+    out = []
+    for _ in range(n):
+        items = [item() for _ in range(rng.randint(1, 4))]
+        text = " ".join(items)
+        ids, mask = [], []
+        for seg, generated in (
+            (prompt_text([], f"Repeat exactly: {text}"), False),
+            (f"<answer>{text}</answer>{END}", True),
+        ):
+            enc = list(tokenizer.encode(seg, add_special_tokens=False))
+            ids += enc
+            mask += [int(generated)] * len(enc)
+        out.append(Transcript(ids, mask, COPY_GROUP))
+    return out
+
+
 def build_dataset(
     tokenizer: Any,
     per_task: int,
@@ -157,13 +194,16 @@ def build_dataset(
     seed: int,
     *,
     corpora: int = 4,
+    copy: int = 0,
 ) -> list[Transcript]:
-    """``per_task`` solved transcripts of every (plugin, spec) of ``warm_sources``, shuffled."""
+    """``per_task`` solved transcripts of every (plugin, spec) of ``warm_sources``, and
+    ``copy`` copy drills, shuffled."""
     data = [
         transcript(plugin, spec, plugin.prompt(spec, WARM_PROMPTS_FROM + i), tokenizer)
         for plugin, spec in warm_sources(tasks, corpora=corpora)
         for i in range(per_task)
     ]
+    data += copy_drills(tokenizer, copy, seed)
     random.Random(seed).shuffle(data)
     return data
 
