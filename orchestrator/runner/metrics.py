@@ -137,6 +137,9 @@ METRICS: dict[str, Spec] = {
     ),
 }
 
+# ``rollcall drill`` commands (the first word of a drill.completed event's ``drill``)
+DRILLS = ("kill-rollout", "kill-trainer", "restart-db", "kill-node")
+
 STEP_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 IO_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
@@ -370,14 +373,17 @@ class MetricsExporter(Collector):
                 f["rollcall_weight_load_last_seconds"].add_metric(lr, report["weight_load_s_last"])
         for kind, count in sorted(snap.events.items()):
             f["rollcall_events_total"].add_metric([j, kind], count)
-        lost: dict[str, int] = {}
-        duplicated: dict[str, int] = {}
+        # the built-in drills always have series (at 0), so that increase() sees the first one
+        runs = {(d, r): 0 for d in DRILLS for r in ("passed", "failed")}
+        lost = dict.fromkeys(DRILLS, 0)
+        duplicated = dict.fromkeys(DRILLS, 0)
         for d in snap.drills:
-            f["rollcall_drills_total"].add_metric(
-                [j, d.drill, "passed" if d.passed else "failed"], d.count
-            )
+            key = (d.drill, "passed" if d.passed else "failed")
+            runs[key] = runs.get(key, 0) + d.count
             lost[d.drill] = lost.get(d.drill, 0) + d.lost
             duplicated[d.drill] = duplicated.get(d.drill, 0) + d.duplicated
+        for (drill, result), count in sorted(runs.items()):
+            f["rollcall_drills_total"].add_metric([j, drill, result], count)
         for drill in sorted(lost):
             f["rollcall_drill_lost_samples_total"].add_metric([j, drill], lost[drill])
             f["rollcall_drill_duplicated_samples_total"].add_metric([j, drill], duplicated[drill])

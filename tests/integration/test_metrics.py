@@ -18,7 +18,7 @@ from rich.console import Console
 
 from orchestrator.db.engine import Database, normalise_url
 from orchestrator.runner.driver import JobDriver
-from orchestrator.runner.metrics import JOB, METRICS, MetricsExporter
+from orchestrator.runner.metrics import DRILLS, JOB, METRICS, MetricsExporter
 from orchestrator.settings import resolve_database
 from tests.integration.buffer_helpers import add_tasks, drain_queue, finish, make_buffer, rows
 
@@ -130,7 +130,7 @@ def test_exporter_matches_the_catalogue_and_the_buffer(db: Database, engine: sa.
                 "node": {"rollout-0"},
                 "role": {"rollout"},
                 "kind": {"task.registered", "drill.completed"},
-                "drill": {"kill-rollout"},
+                "drill": set(DRILLS),
                 "result": {"passed", "failed"},
             },
         )
@@ -173,6 +173,7 @@ def test_exporter_matches_the_catalogue_and_the_buffer(db: Database, engine: sa.
         assert value(fams, "rollcall_node_version_lag_versions", node="rollout-0") == 0
         assert value(fams, "rollcall_drills_total", drill="kill-rollout", result="failed") == 1
         assert value(fams, "rollcall_drill_lost_samples_total", drill="kill-rollout") == 2
+        assert value(fams, "rollcall_drills_total", drill="kill-node", result="failed") == 0
         # steps committed before the exporter started are not timed
         assert value(fams, "rollcall_trainer_step_seconds_count") == 0
 
@@ -274,6 +275,8 @@ def test_metrics_scraped_during_a_short_job(
                 "node": {"rollout-0", "trainer-0"},
                 "role": {"rollout", "trainer"},
                 "kind": re.compile(r"[a-z]+\.[a-z_]+"),
+                "drill": set(DRILLS),
+                "result": {"passed", "failed"},
             },
         )
     # moving: steps, trained samples, the rollout node's tokens, the trainer's timed steps
