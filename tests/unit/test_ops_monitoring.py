@@ -232,3 +232,11 @@ def test_runbooks_name_real_metrics_commands_and_config_keys() -> None:
             for part in key.split("."):
                 assert part in model.model_fields, f"{book.name}: no config key {key}"
                 model = model.model_fields[part].annotation
+
+
+def test_readme_lists_every_metric() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Operations") : readme.index("## Layout")]
+    listed = set(re.findall(r"`(rollcall_[a-z0-9_]+)`", section)) - {"rollcall_job"}
+    listed -= {"rollcall_migrator", "rollcall_runtime"}
+    assert listed == set(METRICS), sorted(listed ^ set(METRICS))
