@@ -6,6 +6,7 @@ machine that reaches it, while the job runs or after it stopped.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any
 
@@ -153,8 +154,6 @@ def status(
             if doc is not None:
                 if json_out:
                     if watch:
-                        import json
-
                         typer.echo(json.dumps(doc, default=str))
                     else:
                         print_json(doc)

@@ -137,6 +137,12 @@ METRICS: dict[str, Spec] = {
     ),
 }
 
+# written by ``collect`` itself (they describe the collection, so they are never stale)
+COLLECTION = (
+    "rollcall_database_up",
+    "rollcall_collect_timestamp_seconds",
+    "rollcall_collect_errors_total",
+)
 # ``rollcall drill`` commands (the first word of a drill.completed event's ``drill``)
 DRILLS = ("kill-rollout", "kill-trainer", "restart-db", "kill-node")
 
@@ -304,8 +310,7 @@ class MetricsExporter(Collector):
 
     def _build(self, snap: JobSnapshot) -> list[Metric]:
         j = self.job_name
-        f = {name: _family(name) for name in METRICS if not name.startswith("rollcall_collect")}
-        del f["rollcall_database_up"]
+        f = {name: _family(name) for name in METRICS if name not in COLLECTION}
         p = snap.job
         f["rollcall_policy_version"].add_metric([j], p.policy_version)
         f["rollcall_weights_version"].add_metric([j], p.weights_version or 0)
@@ -397,11 +402,7 @@ class MetricsExporter(Collector):
             families = list(self._families)
             up, at, errors = self._database_up, self._collected_at, self._errors
         j = self.job_name
-        for name, value in (
-            ("rollcall_database_up", up),
-            ("rollcall_collect_timestamp_seconds", at),
-            ("rollcall_collect_errors_total", errors),
-        ):
+        for name, value in zip(COLLECTION, (up, at, errors), strict=True):
             fam = _family(name)
             fam.add_metric([j], value)
             yield fam
