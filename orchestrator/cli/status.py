@@ -67,7 +67,7 @@ def render_status(doc: dict[str, Any]) -> Any:
         "quota",
         "mix",
         "in flight",
-        "staleness (ready/bound)",
+        "stale/bound",
         "reward",
         "trained",
         "expired",
@@ -87,8 +87,8 @@ def render_status(doc: dict[str, Any]) -> Any:
             str(t["counters"]["expired_groups"]),
             str(t["counters"]["quarantined_episodes"]),
         )
-    parts.append(tasks)
-    parts.append(_nodes_table(doc["nodes"]))
+    parts.append(tasks if doc["tasks"] else Text("tasks: none registered"))
+    parts.append(_nodes_table(doc["nodes"]) if doc["nodes"] else Text("workers: none yet"))
     depth = "  ".join(f"{k} {v}" for k, v in doc["buffer"].items())
     parts.append(Text(f"buffer (episodes): {depth}"))
     if doc["recent_events"]:
