@@ -253,6 +253,20 @@ class EvalConfig(StrictModel):
     temperature: float = Field(default=1.0, gt=0)
 
 
+class MetricsConfig(StrictModel):
+    """The job driver's Prometheus endpoint (``/metrics``): numbers and labels only (job, task,
+    node, status, ...), never prompts, tokens or URLs. It binds to ``host``, the loopback
+    interface unless configured otherwise; put a scraper on the same host or set ``host``
+    (e.g. ``0.0.0.0`` inside a pod whose port only the cluster's Prometheus reaches)."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = Field(default=9464, ge=0, le=65535, description="0: any free port (printed)")
+    interval_s: float = Field(
+        default=5.0, gt=0, description="seconds between collections from the database"
+    )
+
+
 class RunConfig(StrictModel):
     mode: Literal["async", "sync"] = "async"
     total_steps: int = Field(default=20, ge=1)
@@ -273,6 +287,7 @@ class RollcallConfig(StrictModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     control_plane: ControlPlaneConfig = Field(default_factory=ControlPlaneConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     run: RunConfig = Field(default_factory=RunConfig)
 
     @model_validator(mode="after")

@@ -21,6 +21,7 @@ from orchestrator.cli import model as model_cmd
 from orchestrator.cli import quickstart as quickstart_cmd
 from orchestrator.cli import rollout as rollout_cmd
 from orchestrator.cli import run as run_cmd
+from orchestrator.cli import status as status_cmd
 from orchestrator.cli import task as task_cmd
 from orchestrator.cli.common import GlobalOptions
 
@@ -37,8 +38,12 @@ app.add_typer(job_cmd.app, name="job")
 app.add_typer(task_cmd.app, name="task")
 app.add_typer(model_cmd.app, name="model")
 app.add_typer(rollout_cmd.app, name="rollout")
+app.add_typer(status_cmd.worker_app, name="worker")
+app.add_typer(status_cmd.buffer_app, name="buffer")
 app.command("quickstart")(quickstart_cmd.quickstart)
 app.command("run")(run_cmd.run)
+app.command("status")(status_cmd.status)
+app.command("events")(status_cmd.events)
 
 
 def _version(value: bool) -> None:

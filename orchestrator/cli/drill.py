@@ -24,6 +24,26 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON.
 TimeoutOpt = Annotated[
     float, typer.Option("--timeout", help="Seconds to wait for detection and for recovery.")
 ]
+YesOpt = Annotated[
+    bool, typer.Option("--yes", help="Confirm: the drill kills processes of the running job.")
+]
+
+
+def _confirm(what: str, yes: bool) -> None:
+    """Drills are destructive (they kill or stop the job's processes): refused without
+    ``--yes``, before anything is opened or touched."""
+    if not yes:
+        from orchestrator.errors import UserError
+
+        raise UserError(f"`drill {what}` {_EFFECT[what]} of the running job; pass --yes to confirm")
+
+
+_EFFECT = {
+    "kill-rollout": "kills (or stops) rollout nodes",
+    "kill-trainer": "SIGKILLs a trainer rank",
+    "restart-db": "restarts the database under the processes",
+    "kill-node": "SIGKILLs every process on a Ray node",
+}
 
 
 def _show(reports: list[DrillReport], json_out: bool) -> None:
@@ -71,11 +91,13 @@ def kill_rollout(
     ] = "KILL",
     timeout: TimeoutOpt = 120.0,
     json_out: JsonOpt = False,
+    yes: YesOpt = False,
 ) -> None:
     """Kill (or hang) the busiest rollout nodes of a running job."""
     from orchestrator.errors import UserError
     from orchestrator.services.drills import Drills
 
+    _confirm("kill-rollout", yes)
     sig = sig.upper()
     if sig not in ("KILL", "STOP"):
         raise UserError(f"--signal {sig} is not supported; use KILL or STOP")
@@ -89,11 +111,16 @@ def kill_rollout(
 
 @app.command("kill-trainer")
 def kill_trainer(
-    ctx: typer.Context, job: JobOpt, timeout: TimeoutOpt = 180.0, json_out: JsonOpt = False
+    ctx: typer.Context,
+    job: JobOpt,
+    timeout: TimeoutOpt = 180.0,
+    json_out: JsonOpt = False,
+    yes: YesOpt = False,
 ) -> None:
     """SIGKILL trainer rank 0; recovery is the next step committed by a restarted trainer."""
     from orchestrator.services.drills import Drills
 
+    _confirm("kill-trainer", yes)
     db = open_db(ctx)
     try:
         report = Drills(db, job, timeout_s=timeout).kill_trainer()
@@ -104,13 +131,18 @@ def kill_trainer(
 
 @app.command("restart-db")
 def restart_db(
-    ctx: typer.Context, job: JobOpt, timeout: TimeoutOpt = 180.0, json_out: JsonOpt = False
+    ctx: typer.Context,
+    job: JobOpt,
+    timeout: TimeoutOpt = 180.0,
+    json_out: JsonOpt = False,
+    yes: YesOpt = False,
 ) -> None:
     """Restart the embedded PostgreSQL under a running job; nobody may be declared dead."""
     from orchestrator.db.embedded import EmbeddedPostgres
     from orchestrator.errors import UserError
     from orchestrator.services.drills import Drills
 
+    _confirm("restart-db", yes)
     db = open_db(ctx)
     try:
         if not db.target.embedded:
@@ -140,11 +172,13 @@ def kill_node(
     ] = None,
     timeout: TimeoutOpt = 180.0,
     json_out: JsonOpt = False,
+    yes: YesOpt = False,
 ) -> None:
     """Lose a whole Ray worker node (SIGKILL its raylet, agents and workers, on this host);
     recovery is every rollout node it hosted serving the current version again elsewhere."""
     from orchestrator.services.drills import Drills
 
+    _confirm("kill-node", yes)
     db = open_db(ctx)
     try:
         report = Drills(db, job, timeout_s=timeout).kill_node(node)

@@ -23,6 +23,7 @@ from orchestrator.db.repos.episodes import EpisodeRepository
 from orchestrator.db.repos.events import EventRepository
 from orchestrator.db.repos.invariants import InvariantRepository
 from orchestrator.db.repos.jobs import JobRepository
+from orchestrator.db.repos.monitoring import MonitoringRepository
 from orchestrator.db.repos.tasks import TaskRepository
 from orchestrator.db.repos.trajectories import TrajectoryRepository
 from orchestrator.db.repos.workers import WorkerRepository
@@ -63,6 +64,7 @@ class Tx:
     batches: BatchRepository
     workers: WorkerRepository
     invariants: InvariantRepository
+    monitoring: MonitoringRepository
 
 
 class Database:
@@ -135,6 +137,7 @@ def _tx(session: Session) -> Tx:
         batches=BatchRepository(session),
         workers=WorkerRepository(session),
         invariants=InvariantRepository(session),
+        monitoring=MonitoringRepository(session),
     )
 
 

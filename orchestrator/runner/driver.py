@@ -87,6 +87,7 @@ class JobDriver:
         self.trainer: Any = None
         self.evaluator: Any = None
         self.scheduler: Any = None
+        self.metrics: Any = None  # the Prometheus exporter (orchestrator/runner/metrics.py)
         self.started_ray = False
         self.pending_evals: list[tuple[int, Any]] = []
 
@@ -130,6 +131,7 @@ class JobDriver:
         self._start_nodes()
         self._start_evaluator()
         self._start_scheduler()
+        self._start_metrics()
 
     def _recover_previous_run(self) -> None:
         """Work a previous driver of this job left behind goes through the normal paths: its
@@ -315,6 +317,18 @@ class JobDriver:
         s.start()
         self.scheduler = s
         self.buffer.seed()
+
+    def _start_metrics(self) -> None:
+        from orchestrator.runner.metrics import start_exporter
+
+        self.metrics = start_exporter(
+            self.cfg,
+            self.db,
+            self.job_id,
+            scheduler=self.scheduler,
+            node_actors=lambda: self.supervisor.actors if self.supervisor is not None else [],
+            say=lambda m: self.console.print(m, markup=False),
+        )
 
     def _sweep_dead(self) -> None:
         cp = self.cfg.control_plane
@@ -538,6 +552,9 @@ class JobDriver:
     def close(self) -> None:
         import ray
 
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self.scheduler is not None:
             self.scheduler.shutdown(wait=True)  # a job mid-retry finishes its (bounded) window
             self.scheduler = None

@@ -52,7 +52,7 @@ def test_drills_against_a_running_job(
         drills = Drills(db, "chaos", timeout_s=90)
 
         # through the CLI: SIGKILL the busiest rollout node
-        r = cli("drill", "kill-rollout", "--job", "chaos", "--json")
+        r = cli("drill", "kill-rollout", "--job", "chaos", "--json", "--yes")
         assert r.code == 0, r.out + r.err
         # (in this process Ray's own log lines share stdout; the report starts at "{")
         kill = json.loads(r.out[r.out.index("\n{") + 1 :] if not r.out.startswith("{") else r.out)

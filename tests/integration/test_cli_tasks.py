@@ -327,3 +327,11 @@ def test_unchanged_detects_a_write(cli: Any, db_url: str) -> None:
     # The guard used above must be able to fail: a real write trips it.
     with pytest.raises(AssertionError), unchanged(db_url):
         _register(cli, "written")
+
+
+def test_drills_refuse_without_yes(cli: Any, db_url: str) -> None:
+    for drill in ("kill-rollout", "kill-trainer", "restart-db", "kill-node"):
+        with unchanged(db_url):
+            r = cli("drill", drill, "--job", "default")
+        assert r.code == 2, (drill, r.out, r.err)
+        assert "pass --yes to confirm" in r.err and r.err.count("\n") == 1

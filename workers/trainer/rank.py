@@ -139,6 +139,8 @@ class TrainerRank:
         s = self.settings
         if s.database_url is None or s.job_id is None:
             return
+        import ray
+
         from orchestrator.buffer.service import Buffer
         from orchestrator.db.engine import open_database
         from orchestrator.domain import WorkerRole
@@ -149,6 +151,8 @@ class TrainerRank:
             role=WorkerRole.TRAINER,
             host=socket.gethostname(),
             pid=os.getpid(),
+            # the Ray node it runs on (worker list, placement checks), as for rollout nodes
+            node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
         ).id
 
         def beat() -> None:

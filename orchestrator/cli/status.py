@@ -1,0 +1,296 @@
+"""``rollcall status``, ``worker list``, ``buffer stats``, ``events``: a running job at a glance.
+
+All four read the database only (``orchestrator.services.status``), so they work from any
+machine that reaches it, while the job runs or after it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any
+
+import typer
+
+from orchestrator.cli.common import console, open_db, print_json
+from orchestrator.cli.common import table as make_table
+
+JobOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--job",
+        envvar="ROLLCALL_JOB",
+        help="Job to show. Default: the job with the most recent activity.",
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
+worker_app = typer.Typer(help="Rollout nodes and trainer ranks of a job.", no_args_is_help=True)
+buffer_app = typer.Typer(help="The replay buffer of a job.", no_args_is_help=True)
+
+
+def _age(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 120:
+        return f"{s:.1f}s"
+    if s < 7200:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.1f}h"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def render_status(doc: dict[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.text import Text
+
+    j, tr = doc["job"], doc["trainer"]
+    total = f"/{j['total_steps']}" if j["total_steps"] else ""
+    head = Text.assemble(
+        (f"job {j['name']} ", "bold"),
+        f"({j['mode'] or '-'}) {'running' if j['running'] else 'not running'}  "
+        f"step {j['steps']}{total}  policy version {j['policy_version']}  "
+        f"weights v{j['weights_version'] if j['weights_version'] is not None else '-'}  "
+        f"last step {_age(j['last_step_age_s'])} ago  trainer busy {_pct(tr['busy_ratio'])}",
+    )
+    parts: list[Any] = [head]
+    if j["metrics_url"]:
+        parts.append(Text(f"metrics: {j['metrics_url']}"))
+    tasks = make_table(
+        "task",
+        "status",
+        "weight",
+        "quota",
+        "mix",
+        "in flight",
+        "stale/bound",
+        "reward",
+        "trained",
+        "expired",
+        "quarantined",
+    )
+    for t in doc["tasks"]:
+        tasks.add_row(
+            t["name"],
+            t["status"],
+            f"{t['weight']:g}",
+            _pct(t["quota_share"]),
+            _pct(t["mix_share"]),
+            f"{t['inflight']}/{t['max_inflight']}",
+            f"{t['ready_staleness']}/{t['max_staleness']}",
+            "-" if t["reward"] is None else f"{t['reward']:.3f}",
+            str(t["trained_samples"]),
+            str(t["counters"]["expired_groups"]),
+            str(t["counters"]["quarantined_episodes"]),
+        )
+    parts.append(tasks if doc["tasks"] else Text("tasks: none registered"))
+    parts.append(_nodes_table(doc["nodes"]) if doc["nodes"] else Text("workers: none yet"))
+    depth = "  ".join(f"{k} {v}" for k, v in doc["buffer"].items())
+    parts.append(Text(f"buffer (episodes): {depth}"))
+    if doc["recent_events"]:
+        events = make_table("time", "kind", "message")
+        for e in doc["recent_events"]:
+            events.add_row(e["created_at"][11:19], e["kind"], e["message"])
+        parts.append(events)
+    return Group(*parts)
+
+
+def _nodes_table(nodes: list[dict[str, Any]], *, incarnations: bool = False) -> Any:
+    cols = ["worker", "role", "status", "version", "heartbeat", "progress", "restarts", "host"]
+    t = make_table(*(["id", *cols, "started"] if incarnations else cols))
+    for n in nodes:
+        row = [
+            n["name"],
+            n["role"],
+            n["status"],
+            "-" if n["loaded_version"] is None else str(n["loaded_version"]),
+            _age(n["heartbeat_age_s"]) + " ago",
+            _age(n["progress_age_s"]) + " ago" if n["role"] == "rollout" else "-",
+            str(n["restarts"]),
+            f"{n['host'] or '-'} ({(n['node_id'] or '-')[:12]})",
+        ]
+        t.add_row(*([str(n["id"]), *row, n["started_at"][:19]] if incarnations else row))
+    return t
+
+
+def status(
+    ctx: typer.Context,
+    job: JobOpt = None,
+    watch: Annotated[
+        bool, typer.Option("--watch", help="Refresh until interrupted (Ctrl-C).")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option("--interval", min=0.1, help="Seconds between refreshes (--watch).")
+    ] = 2.0,
+    count: Annotated[
+        int, typer.Option("--count", min=0, help="With --watch: stop after N refreshes (0: never).")
+    ] = 0,
+    events: Annotated[int, typer.Option("--events", min=0, help="Recent events to show.")] = 10,
+    json_out: JsonOpt = False,
+) -> None:
+    """A job at a glance: progress, tasks with quotas and live mix, nodes with heartbeat age
+    and restarts, buffer depth, recent events. With --watch --json, one JSON object per line."""
+    from orchestrator.db.retry import is_transient
+    from orchestrator.services.status import status_document
+
+    db = open_db(ctx)
+    out = console()
+    live: Any = None
+    try:
+        shown = 0
+        while True:
+            try:
+                with db.transaction() as tx:
+                    doc = status_document(tx, job, events=events)
+            except Exception as e:
+                if not (watch and is_transient(e)):
+                    raise
+                doc = None  # the database is down; keep watching
+                out.print(f"database unreachable ({type(e).__name__}); retrying", markup=False)
+            if doc is not None:
+                if json_out:
+                    if watch:
+                        typer.echo(json.dumps(doc, default=str))
+                    else:
+                        print_json(doc)
+                elif watch and out.is_terminal:
+                    if live is None:
+                        from rich.live import Live
+
+                        live = Live(console=out, auto_refresh=False)
+                        live.start()
+                    live.update(render_status(doc), refresh=True)
+                else:
+                    out.print(render_status(doc))
+            shown += 1
+            if not watch or (count and shown >= count):
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return
+    finally:
+        if live is not None:
+            live.stop()
+        db.dispose()
+
+
+@worker_app.command("list")
+def worker_list(
+    ctx: typer.Context,
+    job: JobOpt = None,
+    all_: Annotated[
+        bool, typer.Option("--all", help="Every incarnation, not only the latest of each slot.")
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Rollout nodes and trainer ranks: status, served version, heartbeat age (database
+    clock), restarts, host and Ray node."""
+    from orchestrator.services.status import workers
+
+    db = open_db(ctx)
+    try:
+        with db.transaction() as tx:
+            doc = workers(tx, job, all_incarnations=all_)
+    finally:
+        db.dispose()
+    if json_out:
+        print_json(doc)
+        return
+    out = console()
+    out.print(f"job {doc['job']}", markup=False)
+    out.print(_nodes_table(doc["workers"], incarnations=all_))
+
+
+@buffer_app.command("stats")
+def buffer_stats(ctx: typer.Context, job: JobOpt = None, json_out: JsonOpt = False) -> None:
+    """Episodes and samples by state per task, in-flight vs cap, staleness of the waiting and
+    of the trained groups, and the buffer's counters."""
+    from orchestrator.services.status import EPISODE_STATES, buffer_stats
+
+    db = open_db(ctx)
+    try:
+        with db.transaction() as tx:
+            doc = buffer_stats(tx, job)
+    finally:
+        db.dispose()
+    if json_out:
+        print_json(doc)
+        return
+    out = console()
+    out.print(f"job {doc['job']}: policy version {doc['policy_version']}", markup=False)
+    t = make_table(
+        "task",
+        *EPISODE_STATES,
+        "in flight",
+        "oldest ready",
+        "trained staleness mean",
+        "fenced",
+        "requeued",
+    )
+    for task in doc["tasks"]:
+        e = task["episodes"]
+        mean = task["trained_staleness_mean"]
+        t.add_row(
+            task["name"],
+            *(str(e[s]) for s in EPISODE_STATES),
+            f"{task['inflight']}/{task['max_inflight']}",
+            f"{task['ready_staleness']} versions, {_age(task['ready_age_s'])}"
+            if e["ready"]
+            else "-",
+            "-" if mean is None else f"{mean:.2f} (bound {task['max_staleness']})",
+            str(task["counters"]["fenced_rejections"]),
+            str(task["counters"]["requeued_leases"]),
+        )
+    t.add_row("total", *(str(doc["total"][s]) for s in EPISODE_STATES), "", "", "", "", "")
+    out.print(t)
+
+
+def events(
+    ctx: typer.Context,
+    job: Annotated[
+        str | None,
+        typer.Option(
+            "--job", envvar="ROLLCALL_JOB", help="Only this job's events.", show_default=False
+        ),
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(
+            "--since", help="A duration back (30s, 15m, 2h, 1d) or an ISO time.", show_default=False
+        ),
+    ] = None,
+    kind: Annotated[
+        str | None,
+        typer.Option(
+            "--kind",
+            help="One kind (worker.restarting) or a prefix ending in a dot (worker.).",
+            show_default=False,
+        ),
+    ] = None,
+    limit: Annotated[int, typer.Option("--limit", help="Most recent N events.")] = 100,
+    json_out: JsonOpt = False,
+) -> None:
+    """The audit log: operator actions, restarts, quarantines, drills, oldest first."""
+    from orchestrator.services.status import list_events, parse_since
+
+    if since is not None:  # bad input is refused before the database is opened
+        from datetime import UTC, datetime
+
+        parse_since(since, datetime.now(UTC))
+    db = open_db(ctx)
+    try:
+        with db.transaction() as tx:
+            rows = list_events(tx, job, since=since, kind=kind, limit=limit)
+    finally:
+        db.dispose()
+    if json_out:
+        print_json(rows)
+        return
+    t = make_table("time", "kind", "actor", "message")
+    for e in rows:
+        t.add_row(e["created_at"][:19].replace("T", " "), e["kind"], e["actor"], e["message"])
+    console().print(t)
