@@ -165,11 +165,11 @@ def copy_drills(tokenizer: Any, n: int, seed: int) -> list[Transcript]:
 
     def item() -> str:
         u = rng.random()
-        if u < 0.5:
+        if u < 0.35:
             return rng.choice(NAMES)
-        if u < 0.75:
+        if u < 0.5:
             return rng.choice(WORDS)
-        return str(rng.randint(0, 999))
+        return str(rng.randint(0, 10 ** rng.randint(1, 4) - 1))
 
     out = []
     for _ in range(n):

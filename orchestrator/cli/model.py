@@ -13,8 +13,11 @@ app = typer.Typer(help="The tiny local model (built here, no downloads).", no_ar
 
 WARM_TASKS = ("calculator", "guess", "retrieval", "echo")
 # transcripts per SFT step of each task (the others: 2); the tasks whose turns copy the most
-# numbers and names get more
-WARM_BATCH = {"calculator": 8, "retrieval": 4, "echo": 4}
+# numbers and names get more, and copy drills ("copy") keep the copying skill in the mix
+WARM_BATCH = {"calculator": 8, "retrieval": 6, "echo": 4, "copy": 8}
+COPY_BATCH = 32  # drills per step of the copying phase that comes first
+COPY_DRILLS = 8000  # drills the copying phase draws from
+MIX_DRILLS = 4000  # drills mixed into the task phase
 
 
 @app.command()
@@ -26,6 +29,9 @@ def init(
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 96,
     layers: Annotated[int, typer.Option(help="Transformer layers.")] = 3,
     steps: Annotated[int, typer.Option(help="Warm-start SFT steps (0: random weights).")] = 600,
+    copy_steps: Annotated[
+        int, typer.Option(help="Steps of copy drills before the task transcripts (0: none).")
+    ] = 800,
     eval_episodes: Annotated[
         int, typer.Option(help="Held-out episodes per task for the starting reward.")
     ] = 16,
@@ -40,7 +46,7 @@ def init(
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} is not empty; choose a new directory")
     from workers.tiny_model import build_model, build_tokenizer
-    from workers.warmstart import build_dataset, evaluate_rewards, sft
+    from workers.warmstart import build_dataset, copy_drills, evaluate_rewards, sft
 
     say = console()
     t0 = time.monotonic()
@@ -57,8 +63,21 @@ def init(
         losses.append(value)
         say.print(f"  step {step}: loss {value:.3f}")
 
+    if steps > 0 and copy_steps > 0:
+        # Copying first: short drills (cheap steps) until the model copies names, words and
+        # numbers from its context; every task's turns then build on that.
+        say.print(f"copying: {copy_steps} SFT steps on copy drills", markup=False)
+        sft(
+            model,
+            copy_drills(tokenizer, COPY_DRILLS, seed + 1),
+            steps=copy_steps,
+            batch_size=COPY_BATCH,
+            lr=2e-3,
+            seed=seed,
+            log=log,
+        )
     if steps > 0:
-        data = build_dataset(tokenizer, 400, WARM_TASKS, seed)
+        data = build_dataset(tokenizer, 400, WARM_TASKS, seed, copy=MIX_DRILLS)
         say.print(f"warm start: {steps} SFT steps on {len(data)} solved transcripts", markup=False)
         loss = sft(
             model,

@@ -81,8 +81,10 @@ def test_two_ranks_train_like_one_and_resume_matches(
     one, two = results["ranks1"], results["ranks2"]
     moved = max(float((one[k] - start[k]).abs().max()) for k in one)
     assert moved > 1e-3  # training changed the weights
+    # Two ranks reduce gradients in another order: float rounding differs (2.1e-6 seen after
+    # six AdamW updates at lr 1e-3), a hundred times below how far training moved the weights.
     for k in one:
-        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=2e-6)
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)
 
     # Resume: a fresh trainer loads the checkpoint after step 1 and trains step 2.
     group = TrainerGroup(_config(1), str(tiny_dir), total_steps=4, seed=0)

@@ -29,6 +29,8 @@ def test_model_init_then_preview(run: Any, tmp_path: Path) -> None:
         "1",
         "--steps",
         "20",
+        "--copy-steps",
+        "10",
         "--eval-episodes",
         "2",
         "--json",
