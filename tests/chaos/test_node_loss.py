@@ -51,13 +51,6 @@ def cluster(ray_local: Any) -> Iterator[Any]:
         c.shutdown()
         os.environ.pop("RAY_ADDRESS", None)
         init_local_ray()
-        ray.init(
-            address="local",
-            num_cpus=8,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
 
 
 def test_losing_the_ray_node_of_the_rollout_nodes(
