@@ -3,9 +3,10 @@
 ``JobDriver.setup()`` opens the database (and verifies its schema), creates or resumes the job,
 registers the config's tasks with their quotas, starts or joins Ray, builds the trainer (from the
 last checkpoint when resuming), launches the rollout nodes and the evaluator, and starts the
-control-plane scheduler jobs (seeding, lease sweep, staleness expiry). ``run()`` then trains
-until ``run.total_steps``: claim a full batch from the buffer, plan it (advantages, packing),
-train, checkpoint, publish the new weights and commit the step (one transaction: the batch is
+control-plane scheduler jobs (seeding, lease sweep, staleness expiry, dead-worker sweep and
+the rollout nodes' supervisor, each on the scheduler's threads). ``run()`` then trains until
+``run.total_steps``: claim a full batch from the buffer, plan it (advantages, packing), train,
+checkpoint, publish the new weights and commit the step (one transaction: the batch is
 consumed, the step recorded, the policy version bumped, the weights published). Rollout nodes
 pick the new version up between turns. Components get their collaborators passed in; none of
 them knows about the driver.
@@ -251,7 +252,6 @@ class JobDriver:
             start_timeout_s=r.start_timeout_s,
             say=lambda m: self.console.print(m, markup=False),
         )
-        self._last_supervised = time.monotonic()
 
     def _make_node(self, index: int) -> Any:
         from workers.rollout.agent import Limits
@@ -283,9 +283,10 @@ class JobDriver:
         )
 
     def _supervise(self) -> None:
-        if time.monotonic() - self._last_supervised >= self.cfg.control_plane.supervise_interval_s:
-            self._last_supervised = time.monotonic()
-            self.supervisor.check()
+        """A scheduler job, so supervision never waits on the loop (a trainer call, say)."""
+        supervisor = self.supervisor
+        if supervisor is not None:
+            supervisor.check()
 
     def _start_evaluator(self) -> None:
         from workers.evaluation import evaluator_actor
@@ -309,6 +310,7 @@ class JobDriver:
             (self.buffer.sweep_expired_leases, cp.lease_sweep_interval_s, "lease-sweep"),
             (self.buffer.expire_stale, cp.staleness_interval_s, "staleness-expiry"),
             (self._sweep_dead, cp.dead_sweep_interval_s, "dead-worker-sweep"),
+            (self._supervise, cp.supervise_interval_s, "supervise"),
         ]
         for fn, every, name in jobs:
             s.add_job(fn, "interval", seconds=every, id=name, max_instances=1, coalesce=True)
@@ -340,7 +342,6 @@ class JobDriver:
             if not self.run_dir.records("eval") or self.step == 0:
                 self._evaluate(self.step, None)
             while self.step < total and not self._stop_requested.is_set():
-                self._supervise()
                 self._collect_evals(snap, block=False)
                 batch = self.buffer.claim_batch(self.step, min_groups=cfg.buffer.batch_groups)
                 if not batch.groups:
