@@ -8,8 +8,9 @@ the rollout nodes' supervisor, each on the scheduler's threads). ``run()`` then 
 ``run.total_steps``: claim a full batch from the buffer, plan it (advantages, packing), train,
 checkpoint, publish the new weights and commit the step (one transaction: the batch is
 consumed, the step recorded, the policy version bumped, the weights published). Rollout nodes
-pick the new version up between turns. Components get their collaborators passed in; none of
-them knows about the driver.
+pick the new version up between turns. A trainer call that fails or does not return within
+``trainer.call_timeout_s`` is a failed trainer: restarted from the last checkpoint, the batch
+replayed. Components get their collaborators passed in; none of them knows about the driver.
 
 Modes: ``async`` (rollout never stops; data up to each task's ``max_staleness`` versions old)
 and ``sync`` (the same machinery with every task's staleness bound at 0: the nodes generate one
@@ -283,7 +284,8 @@ class JobDriver:
         )
 
     def _supervise(self) -> None:
-        """A scheduler job, so supervision never waits on the loop (a trainer call, say)."""
+        """A scheduler job, so supervision never waits on the loop (a trainer call may take
+        up to ``trainer.call_timeout_s``)."""
         supervisor = self.supervisor
         if supervisor is not None:
             supervisor.check()
@@ -561,8 +563,11 @@ class JobDriver:
 
 
 def _is_trainer_failure(e: BaseException) -> bool:
-    """A failure of the trainer's processes (a dead rank, a failed collective), as opposed to
-    a bug in the driver or the database being down."""
+    """A failure of the trainer's processes (a dead rank, a failed collective, a call that
+    did not return within ``trainer.call_timeout_s``), as opposed to a bug in the driver or
+    the database being down."""
     import ray.exceptions
 
-    return isinstance(e, ray.exceptions.RayError)
+    from workers.trainer.group import TrainerTimeoutError
+
+    return isinstance(e, ray.exceptions.RayError | TrainerTimeoutError)

@@ -1,10 +1,12 @@
 """Faults injected into running jobs (real processes, real PostgreSQL, real Ray, the tiny model):
 a rollout node SIGKILLed mid-trajectory, one SIGSTOPped (a hang), a trainer rank killed between
-its optimizer step and the step commit, PostgreSQL restarted mid-run. Afterwards the invariant
+its optimizer step and the step commit, a trainer rank frozen mid-step (its call times out),
+PostgreSQL restarted mid-run. Afterwards the invariant
 checker passes: nothing lost, nothing trained twice, nothing beyond its staleness bound."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -239,6 +241,49 @@ def test_trainer_rank_killed_before_the_step_commit_recovers(
     assert kinds.count("trainer.restarted") == 1
     # the replayed step trained on the batch reserved before the crash
     records = [r for r in driver.run_dir.records("step")]
+    assert [r["step"] for r in records] == [0, 1, 2] and records[1]["replayed"] is True
+
+
+def test_hung_trainer_times_out_while_supervision_goes_on(
+    ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
+) -> None:
+    """A trainer rank frozen (SIGSTOP) between its optimizer step and the checkpoint: the
+    driver's next trainer call times out (``trainer.call_timeout_s``) and the trainer goes
+    through the normal recovery. A rollout node killed during the hang is restarted before
+    that, since supervision does not wait on the trainer."""
+    cfg = _config(tmp_path, tiny_dir, steps=3)
+    cfg = cfg.model_copy(
+        update={"trainer": cfg.trainer.model_copy(update={"call_timeout_s": 15.0})}
+    )
+    driver = _driver(cfg, db, tiny_dir, tmp_path)
+    frozen: list[int] = []
+
+    def freeze_rank(d: JobDriver) -> None:
+        if d.step == 1 and not frozen:
+            pid = d.trainer.info[0]["pid"]
+            frozen.append(pid)
+            os.kill(pid, signal.SIGSTOP)
+            node = rows(
+                engine, "SELECT pid FROM workers WHERE role = 'rollout' AND status = 'alive'"
+            )[0][0]
+            os.kill(node, signal.SIGKILL)
+
+    driver.fault_hooks["after_train"] = freeze_rank
+    try:
+        result = _run_with(driver, lambda: None)
+    finally:
+        for pid in frozen:  # ray.kill took it down; never leave a stopped process behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert frozen and result.steps == 3
+    _assert_nothing_lost(db, engine, 3)
+    events = rows(engine, "SELECT kind, message FROM events ORDER BY id")
+    kinds = [k for k, _ in events]
+    assert kinds.count("trainer.restarted") == 1
+    assert "TrainerTimeoutError" in next(m for k, m in events if k == "trainer.restarted")
+    # the killed node was handled while the driver still waited on the frozen trainer
+    assert kinds.index("worker.restarting") < kinds.index("trainer.restarted")
+    records = driver.run_dir.records("step")
     assert [r["step"] for r in records] == [0, 1, 2] and records[1]["replayed"] is True
 
 
