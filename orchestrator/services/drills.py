@@ -29,6 +29,7 @@ import os
 import signal
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -276,7 +277,11 @@ class Drills:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        r.notes.append(f"killed {len(pids)} processes of node {node_id}")
+        kinds = Counter(kind for _, kind in procs)
+        r.notes.append(
+            f"killed {len(pids)} processes of node {node_id} "
+            f"({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))})"
+        )
         dead_at = self._wait(lambda: all(self._is_down(int(w["id"])) for w in targets))
         r.detection_s = None if dead_at is None else dead_at - t0
         up_at = self._wait(
@@ -329,21 +334,36 @@ class Drills:
 
 
 def ray_node_processes(node_id: str) -> list[tuple[int, str]]:
-    """The processes of one Ray node on this host, found by the node id on their command line
-    (``--node_id=`` of the raylet, ``--node-id=`` of the GCS and the agents), with their kind:
-    ``gcs``, ``raylet`` or ``agent``. Linux (``/proc``)."""
+    """The processes of one Ray node on this host, with their kind: ``gcs``, ``raylet``,
+    ``agent`` or ``worker``. The GCS and the raylet carry the node id on their command line
+    (``--node-id=``, ``--node_id=``); the agents and the worker processes (actors, idle
+    workers) rename themselves ``ray::...``, so they are found as the raylet's descendants.
+    Linux (``/proc``)."""
     flags = (f"--node_id={node_id}", f"--node-id={node_id}")
-    found = []
+    args: dict[int, list[str]] = {}
+    children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
+        pid = int(entry.name)
         try:
-            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
+            args[pid] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            # the parent pid is the second field after the command name, which is in parens
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        if not any(a in flags for a in args):
-            continue
-        exe = Path(args[0]).name
-        kind = "gcs" if "gcs_server" in exe else "raylet" if "raylet" in exe else "agent"
-        found.append((int(entry.name), kind))
-    return found
+        children.setdefault(ppid, []).append(pid)
+    found: dict[int, str] = {}
+    for pid, argv in args.items():
+        if any(a in flags for a in argv):
+            exe = Path(argv[0]).name
+            found[pid] = "gcs" if "gcs_server" in exe else "raylet" if "raylet" in exe else "agent"
+    todo = [pid for pid, kind in found.items() if kind == "raylet"]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child in found or child not in args:
+                continue
+            name = args[child][0]
+            found[child] = "agent" if name.startswith("ray::") and "Agent" in name else "worker"
+            todo.append(child)
+    return sorted(found.items())
