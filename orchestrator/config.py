@@ -226,6 +226,12 @@ class TrainerConfig(StrictModel):
         default=3, ge=0, description="trainer restarts within restart_window_s before giving up"
     )
     restart_window_s: float = Field(default=600.0, gt=0)
+    call_timeout_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="a trainer call (set-up, step, checkpoint, publish) that has not returned "
+        "by then is a failed trainer: killed and restarted from the last checkpoint",
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
 
 

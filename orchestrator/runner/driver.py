@@ -3,12 +3,14 @@
 ``JobDriver.setup()`` opens the database (and verifies its schema), creates or resumes the job,
 registers the config's tasks with their quotas, starts or joins Ray, builds the trainer (from the
 last checkpoint when resuming), launches the rollout nodes and the evaluator, and starts the
-control-plane scheduler jobs (seeding, lease sweep, staleness expiry). ``run()`` then trains
-until ``run.total_steps``: claim a full batch from the buffer, plan it (advantages, packing),
-train, checkpoint, publish the new weights and commit the step (one transaction: the batch is
+control-plane scheduler jobs (seeding, lease sweep, staleness expiry, dead-worker sweep and
+the rollout nodes' supervisor, each on the scheduler's threads). ``run()`` then trains until
+``run.total_steps``: claim a full batch from the buffer, plan it (advantages, packing), train,
+checkpoint, publish the new weights and commit the step (one transaction: the batch is
 consumed, the step recorded, the policy version bumped, the weights published). Rollout nodes
-pick the new version up between turns. Components get their collaborators passed in; none of
-them knows about the driver.
+pick the new version up between turns. A trainer call that fails or does not return within
+``trainer.call_timeout_s`` is a failed trainer: restarted from the last checkpoint, the batch
+replayed. Components get their collaborators passed in; none of them knows about the driver.
 
 Modes: ``async`` (rollout never stops; data up to each task's ``max_staleness`` versions old)
 and ``sync`` (the same machinery with every task's staleness bound at 0: the nodes generate one
@@ -253,7 +255,6 @@ class JobDriver:
             start_timeout_s=r.start_timeout_s,
             say=lambda m: self.console.print(m, markup=False),
         )
-        self._last_supervised = time.monotonic()
 
     def _make_node(self, index: int) -> Any:
         from workers.rollout.agent import Limits
@@ -285,9 +286,11 @@ class JobDriver:
         )
 
     def _supervise(self) -> None:
-        if time.monotonic() - self._last_supervised >= self.cfg.control_plane.supervise_interval_s:
-            self._last_supervised = time.monotonic()
-            self.supervisor.check()
+        """A scheduler job, so supervision never waits on the loop (a trainer call may take
+        up to ``trainer.call_timeout_s``)."""
+        supervisor = self.supervisor
+        if supervisor is not None:
+            supervisor.check()
 
     def _start_evaluator(self) -> None:
         from workers.evaluation import evaluator_actor
@@ -311,6 +314,7 @@ class JobDriver:
             (self.buffer.sweep_expired_leases, cp.lease_sweep_interval_s, "lease-sweep"),
             (self.buffer.expire_stale, cp.staleness_interval_s, "staleness-expiry"),
             (self._sweep_dead, cp.dead_sweep_interval_s, "dead-worker-sweep"),
+            (self._supervise, cp.supervise_interval_s, "supervise"),
         ]
         for fn, every, name in jobs:
             s.add_job(fn, "interval", seconds=every, id=name, max_instances=1, coalesce=True)
@@ -354,7 +358,6 @@ class JobDriver:
             if not self.run_dir.records("eval") or self.step == 0:
                 self._evaluate(self.step, None)
             while self.step < total and not self._stop_requested.is_set():
-                self._supervise()
                 self._collect_evals(snap, block=False)
                 batch = self.buffer.claim_batch(self.step, min_groups=cfg.buffer.batch_groups)
                 if not batch.groups:
@@ -577,8 +580,11 @@ class JobDriver:
 
 
 def _is_trainer_failure(e: BaseException) -> bool:
-    """A failure of the trainer's processes (a dead rank, a failed collective), as opposed to
-    a bug in the driver or the database being down."""
+    """A failure of the trainer's processes (a dead rank, a failed collective, a call that
+    did not return within ``trainer.call_timeout_s``), as opposed to a bug in the driver or
+    the database being down."""
     import ray.exceptions
 
-    return isinstance(e, ray.exceptions.RayError)
+    from workers.trainer.group import TrainerTimeoutError
+
+    return isinstance(e, ray.exceptions.RayError | TrainerTimeoutError)

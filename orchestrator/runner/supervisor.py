@@ -9,12 +9,17 @@ starts a new incarnation of the same slot after ``backoff_base_s * 2^(restarts-1
 is marked failed, with an event; the job goes on with the other nodes. Recovery goes through
 the normal path: the new actor registers a new worker incarnation and takes work from the
 buffer like any node.
+
+The driver runs ``check()`` as a scheduler job, on its own thread, so supervision never waits
+on the trainer or the driver's loop; a lock keeps ``check()``, ``actors`` and ``stop()``
+apart, and once ``stop()`` ran, ``check()`` starts nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,12 +69,17 @@ class Supervisor:
         self.start_timeout_s = start_timeout_s
         self.say = say
         self.slots = [Slot(f"rollout-{i}", i) for i in range(nodes)]
+        self._lock = threading.Lock()
+        self._stopped = False
         for slot in self.slots:
             self._start(slot)
 
     @property
     def actors(self) -> list[Any]:
-        return [s.actor for s in self.slots if s.actor is not None]
+        """The nodes that are up: started and registered (a node still starting would answer
+        a call only once its constructor finished)."""
+        with self._lock:
+            return [s.actor for s in self.slots if s.actor is not None and s.worker_id is not None]
 
     def _start(self, slot: Slot) -> None:
         slot.actor = self.start_node(slot.index)
@@ -80,6 +90,11 @@ class Supervisor:
 
     def check(self) -> None:
         """One supervision pass: detect down nodes, restart those whose backoff has passed."""
+        with self._lock:
+            if not self._stopped:
+                self._check()
+
+    def _check(self) -> None:
         import ray
 
         health = {w["id"]: w["status"] for w in self.buffer.node_health()}
@@ -166,6 +181,11 @@ class Supervisor:
     def stop(self) -> list[int]:
         """Stop every node (``run`` returns after its current episodes); returns their worker
         ids for the final requeue."""
+        with self._lock:
+            self._stopped = True
+            return self._stop()
+
+    def _stop(self) -> list[int]:
         import ray
 
         live = [s for s in self.slots if s.actor is not None]

@@ -5,8 +5,11 @@ on the same machine; it finds its targets through the database (worker rows carr
 pid) and measures everything on the database:
 
 - **detection**: fault until the worker's row is declared dead;
-- **recovery**: fault until a new incarnation of the same slot is alive and holds the job's
-  current published version (for the trainer: until a step is committed after the fault);
+- **recovery**: fault until a new incarnation of the same slot is alive and holds the version
+  that was published at the fault, or a newer one (for the trainer: until a step is committed
+  after the fault). Not "the current version": a trainer that publishes faster than the nodes
+  beat keeps that a moving target, and the figure would measure the race rather than the
+  recovery;
 - **in flight**: the episodes the worker held at the fault, and their checkpointed turns;
 - **resumed turns**: checkpointed turns of those samples that the next holder kept (progress
   not regenerated);
@@ -26,6 +29,7 @@ import os
 import signal
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -117,12 +121,17 @@ class Drills:
                 for w in tx.workers.health(self.job.id)
             )
 
-    def _slot_serving(self, name: str, after_id: int) -> bool:
+    def _published_version(self) -> int:
         with self.db.transaction() as tx:
             published = tx.batches.published_weights(self.job.id)
+        return 0 if published is None else published[0]
+
+    def _slot_serving(self, name: str, after_id: int, version: int) -> bool:
+        """A new incarnation of slot ``name`` is alive and holds ``version`` or a newer one."""
+        with self.db.transaction() as tx:
             for w in tx.workers.health(self.job.id):
                 if w["name"] == name and w["id"] > after_id and w["status"] == "alive":
-                    return published is None or (w["loaded_version"] or 0) >= published[0]
+                    return (w["loaded_version"] or 0) >= version
         return False
 
     # -- drills -------------------------------------------------------------------------------
@@ -142,6 +151,7 @@ class Drills:
         with self.db.transaction() as tx:
             for w in targets:
                 snaps[w["id"]] = tx.invariants.samples_of_worker(w["id"])
+        version = self._published_version()
         t0 = time.monotonic()
         wall0 = time.time()
         for w in targets:
@@ -152,7 +162,7 @@ class Drills:
             wid, name = int(w["id"]), str(w["name"])
             dead_at = self._wait(functools.partial(self._is_down, wid))
             r.detection_s = None if dead_at is None else dead_at - t0
-            up_at = self._wait(functools.partial(self._slot_serving, name, wid))
+            up_at = self._wait(functools.partial(self._slot_serving, name, wid, version))
             r.recovery_s = None if up_at is None else up_at - t0
             if signum == signal.SIGSTOP:  # the supervisor SIGKILLs a hung node; never leave
                 # a stopped process behind if it did not
@@ -230,8 +240,8 @@ class Drills:
         """Lose a whole Ray node: SIGKILL its raylet, its agents and every worker process on it
         (as a machine that loses power), on this host. Without ``node_id``, the node hosting
         the most live rollout nodes. The head node (it hosts the GCS, so the job itself) is
-        refused. Recovery: every rollout slot that lived on the node serves the current
-        version again, wherever the supervisor could place it."""
+        refused. Recovery: every rollout slot that lived on the node is alive again with the
+        version published at the fault (or newer), wherever the supervisor could place it."""
         self._wait(lambda: bool(self._workers("rollout")))
         live = self._workers("rollout")
         by_node: dict[str, list[dict[str, Any]]] = {}
@@ -259,6 +269,7 @@ class Drills:
                 snaps += tx.invariants.samples_of_worker(w["id"])
         names = ", ".join(sorted(str(w["name"]) for w in targets)) or "no rollout node"
         r = DrillReport("kill-node", self.job.name, f"node {node_id[:12]} ({names})", time.time())
+        version = self._published_version()
         t0 = time.monotonic()
         pids = {pid for pid, _ in procs} | {
             int(w["pid"]) for w in targets if w["host"] == socket.gethostname()
@@ -266,11 +277,15 @@ class Drills:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        r.notes.append(f"killed {len(pids)} processes of node {node_id}")
+        kinds = Counter(kind for _, kind in procs)
+        r.notes.append(
+            f"killed {len(pids)} processes of node {node_id} "
+            f"({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))})"
+        )
         dead_at = self._wait(lambda: all(self._is_down(int(w["id"])) for w in targets))
         r.detection_s = None if dead_at is None else dead_at - t0
         up_at = self._wait(
-            lambda: all(self._slot_serving(str(w["name"]), int(w["id"])) for w in targets)
+            lambda: all(self._slot_serving(str(w["name"]), int(w["id"]), version) for w in targets)
         )
         r.recovery_s = None if up_at is None else up_at - t0
         self._account(r, snaps)
@@ -319,21 +334,36 @@ class Drills:
 
 
 def ray_node_processes(node_id: str) -> list[tuple[int, str]]:
-    """The processes of one Ray node on this host, found by the node id on their command line
-    (``--node_id=`` of the raylet, ``--node-id=`` of the GCS and the agents), with their kind:
-    ``gcs``, ``raylet`` or ``agent``. Linux (``/proc``)."""
+    """The processes of one Ray node on this host, with their kind: ``gcs``, ``raylet``,
+    ``agent`` or ``worker``. The GCS and the raylet carry the node id on their command line
+    (``--node-id=``, ``--node_id=``); the agents and the worker processes (actors, idle
+    workers) rename themselves ``ray::...``, so they are found as the raylet's descendants.
+    Linux (``/proc``)."""
     flags = (f"--node_id={node_id}", f"--node-id={node_id}")
-    found = []
+    args: dict[int, list[str]] = {}
+    children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
+        pid = int(entry.name)
         try:
-            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
+            args[pid] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            # the parent pid is the second field after the command name, which is in parens
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        if not any(a in flags for a in args):
-            continue
-        exe = Path(args[0]).name
-        kind = "gcs" if "gcs_server" in exe else "raylet" if "raylet" in exe else "agent"
-        found.append((int(entry.name), kind))
-    return found
+        children.setdefault(ppid, []).append(pid)
+    found: dict[int, str] = {}
+    for pid, argv in args.items():
+        if any(a in flags for a in argv):
+            exe = Path(argv[0]).name
+            found[pid] = "gcs" if "gcs_server" in exe else "raylet" if "raylet" in exe else "agent"
+    todo = [pid for pid, kind in found.items() if kind == "raylet"]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child in found or child not in args:
+                continue
+            name = args[child][0]
+            found[child] = "agent" if name.startswith("ray::") and "Agent" in name else "worker"
+            todo.append(child)
+    return sorted(found.items())

@@ -32,7 +32,8 @@ def test_drills_against_a_running_job(
 ) -> None:
     from orchestrator.db.embedded import EmbeddedPostgres
 
-    driver = _driver(_config(tmp_path, tiny_dir, steps=40), db, tiny_dir, tmp_path)
+    # total_steps is a ceiling: the job must outlive the drills, and is stopped after them
+    driver = _driver(_config(tmp_path, tiny_dir, steps=1000), db, tiny_dir, tmp_path)
     driver.setup()
     done = threading.Event()
     result: dict[str, Any] = {}
@@ -93,7 +94,8 @@ def test_randomized_chaos_run_loses_nothing(
     from ops.chaos import run_chaos
     from orchestrator.db.embedded import EmbeddedPostgres
 
-    driver = _driver(_config(tmp_path, tiny_dir, steps=500), db, tiny_dir, tmp_path)
+    # a ceiling, as above
+    driver = _driver(_config(tmp_path, tiny_dir, steps=5000), db, tiny_dir, tmp_path)
     driver.setup()
     done = threading.Event()
     result: dict[str, Any] = {}

@@ -1,10 +1,12 @@
 """Faults injected into running jobs (real processes, real PostgreSQL, real Ray, the tiny model):
 a rollout node SIGKILLed mid-trajectory, one SIGSTOPped (a hang), a trainer rank killed between
-its optimizer step and the step commit, PostgreSQL restarted mid-run. Afterwards the invariant
+its optimizer step and the step commit, a trainer rank frozen mid-step (its call times out),
+PostgreSQL restarted mid-run. Afterwards the invariant
 checker passes: nothing lost, nothing trained twice, nothing beyond its staleness bound."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -82,8 +84,12 @@ def _driver(cfg: RollcallConfig, db: Database, model: Path, tmp: Path) -> JobDri
     return JobDriver(cfg, db, model_dir=model, home=tmp, console=Console(file=None), live=False)
 
 
-def _run_with(driver: JobDriver, fault: Callable[[], None]) -> RunResult:
-    """Run the job in this thread while ``fault`` runs in another; both must finish."""
+def _run_with(
+    driver: JobDriver, fault: Callable[[], None], *, stop_after_fault: bool = False
+) -> RunResult:
+    """Run the job in this thread while ``fault`` runs in another; both must finish. With
+    ``stop_after_fault``, the job (its ``total_steps`` a ceiling) stops after the step during
+    which ``fault`` returned: a fault that waits for its recovery never races the job's end."""
     errors: list[BaseException] = []
 
     def inject() -> None:
@@ -91,6 +97,9 @@ def _run_with(driver: JobDriver, fault: Callable[[], None]) -> RunResult:
             fault()
         except BaseException as e:  # surfaced below
             errors.append(e)
+        finally:
+            if stop_after_fault:
+                driver.request_stop()
 
     t = threading.Thread(target=inject, daemon=True)
     try:
@@ -129,7 +138,7 @@ def _assert_nothing_lost(db: Database, engine: sa.Engine, steps: int) -> None:
 def test_rollout_nodes_killed_and_hung_lose_nothing(
     ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:
-    cfg = _config(tmp_path, tiny_dir, steps=5)
+    cfg = _config(tmp_path, tiny_dir, steps=1000)  # a ceiling: stopped after the fault
     driver = _driver(cfg, db, tiny_dir, tmp_path)
     seen: dict[str, Any] = {}
 
@@ -184,10 +193,21 @@ def test_rollout_nodes_killed_and_hung_lose_nothing(
             timeout_s=60,
         )
         seen["hang_detect_s"] = time.monotonic() - t1
+        _wait(
+            "the hung node's replacement",
+            lambda: rows(
+                engine,
+                "SELECT 1 FROM workers WHERE name = :n AND id > :w AND status = 'alive'",
+                n=other[2],
+                w=other[0],
+            ),
+        )
+        _wait("a requeued episode finished", lambda: scalar(engine, requeued_and_done))
 
-    result = _run_with(driver, fault)
-    assert result.steps == 5
-    _assert_nothing_lost(db, engine, 5)
+    requeued_and_done = "SELECT count(*) FROM episodes WHERE attempts >= 2 AND status = 'done'"
+    result = _run_with(driver, fault, stop_after_fault=True)
+    assert result.steps >= 1
+    _assert_nothing_lost(db, engine, result.steps)
     # detection: SIGKILL through Ray at once; the hang within interval + timeout + sweep
     assert seen["kill_detect_s"] < 10
     assert seen["hang_detect_s"] < 0.5 + 5.0 + 0.5 + 2.0  # bound plus scheduling slack
@@ -221,6 +241,49 @@ def test_trainer_rank_killed_before_the_step_commit_recovers(
     assert kinds.count("trainer.restarted") == 1
     # the replayed step trained on the batch reserved before the crash
     records = [r for r in driver.run_dir.records("step")]
+    assert [r["step"] for r in records] == [0, 1, 2] and records[1]["replayed"] is True
+
+
+def test_hung_trainer_times_out_while_supervision_goes_on(
+    ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
+) -> None:
+    """A trainer rank frozen (SIGSTOP) between its optimizer step and the checkpoint: the
+    driver's next trainer call times out (``trainer.call_timeout_s``) and the trainer goes
+    through the normal recovery. A rollout node killed during the hang is restarted before
+    that, since supervision does not wait on the trainer."""
+    cfg = _config(tmp_path, tiny_dir, steps=3)
+    cfg = cfg.model_copy(
+        update={"trainer": cfg.trainer.model_copy(update={"call_timeout_s": 15.0})}
+    )
+    driver = _driver(cfg, db, tiny_dir, tmp_path)
+    frozen: list[int] = []
+
+    def freeze_rank(d: JobDriver) -> None:
+        if d.step == 1 and not frozen:
+            pid = d.trainer.info[0]["pid"]
+            frozen.append(pid)
+            os.kill(pid, signal.SIGSTOP)
+            node = rows(
+                engine, "SELECT pid FROM workers WHERE role = 'rollout' AND status = 'alive'"
+            )[0][0]
+            os.kill(node, signal.SIGKILL)
+
+    driver.fault_hooks["after_train"] = freeze_rank
+    try:
+        result = _run_with(driver, lambda: None)
+    finally:
+        for pid in frozen:  # ray.kill took it down; never leave a stopped process behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert frozen and result.steps == 3
+    _assert_nothing_lost(db, engine, 3)
+    events = rows(engine, "SELECT kind, message FROM events ORDER BY id")
+    kinds = [k for k, _ in events]
+    assert kinds.count("trainer.restarted") == 1
+    assert "TrainerTimeoutError" in next(m for k, m in events if k == "trainer.restarted")
+    # the killed node was handled while the driver still waited on the frozen trainer
+    assert kinds.index("worker.restarting") < kinds.index("trainer.restarted")
+    records = driver.run_dir.records("step")
     assert [r["step"] for r in records] == [0, 1, 2] and records[1]["replayed"] is True
 
 

@@ -3,7 +3,9 @@
 ``TrainerGroup`` creates the rank actors, forms their process group (rank 0 names the address),
 and runs every collective on all ranks at once: a train step on a ``StepPlan``, publishing the
 new weights, checkpoints, the final policy. A rank that dies makes the others' next collective
-fail fast (gloo/NCCL), so the call raises instead of hanging.
+fail fast (gloo/NCCL), so the call raises instead of hanging. A call that hangs anyway (a rank
+frozen, a collective that never completes) raises ``TrainerTimeoutError`` after
+``trainer.call_timeout_s``; to the driver both are a failed trainer.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ from orchestrator.config import TrainerConfig
 from workers.trainer.batch import StepPlan
 from workers.trainer.grpo import LossStats
 from workers.trainer.rank import RankSettings, trainer_actor
+
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+class TrainerTimeoutError(TimeoutError):
+    """A trainer call did not return within ``trainer.call_timeout_s``."""
 
 
 class TrainerGroup:
@@ -28,8 +36,6 @@ class TrainerGroup:
         database_url: str | None = None,
         job_id: int | None = None,
     ) -> None:
-        import ray
-
         self.config = config
         settings = RankSettings(
             model_dir=model_dir,
@@ -53,21 +59,35 @@ class TrainerGroup:
         )
         world = config.ranks
         self.ranks = [actor.remote(r, world, settings) for r in range(world)]
-        master = ray.get(self.ranks[0].address.remote())
-        self.info = ray.get([r.setup.remote(master) for r in self.ranks])
+        try:
+            master = self._get("address", self.ranks[0].address.remote())
+            self.info = self._get("setup", [r.setup.remote(master) for r in self.ranks])
+        except BaseException:
+            self.kill()
+            raise
         self.worker_ids = [i["worker_id"] for i in self.info if i["worker_id"] is not None]
 
-    def _all(self, method: str, *args: Any) -> list[Any]:
+    def _get(self, method: str, refs: Any, timeout_s: float | None = None) -> Any:
         import ray
 
-        return list(ray.get([getattr(r, method).remote(*args) for r in self.ranks]))
+        timeout = self.config.call_timeout_s if timeout_s is None else timeout_s
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise TrainerTimeoutError(
+                f"trainer call {method} did not return within {timeout:.0f} s "
+                "(trainer.call_timeout_s)"
+            ) from None
+
+    def _all(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
+        refs = [getattr(r, method).remote(*args) for r in self.ranks]
+        return list(self._get(method, refs, timeout_s))
 
     def train(self, plan: StepPlan) -> dict[str, float]:
-        import ray
-
         per_rank = [[mini[r] for mini in plan.mini_batches] for r in range(len(self.ranks))]
-        results = ray.get(
-            [rank.train.remote(work) for rank, work in zip(self.ranks, per_rank, strict=True)]
+        results = self._get(
+            "train",
+            [rank.train.remote(work) for rank, work in zip(self.ranks, per_rank, strict=True)],
         )
         stats = LossStats()
         for r in results:
@@ -93,7 +113,7 @@ class TrainerGroup:
 
     def shutdown(self) -> None:
         try:
-            self._all("shutdown")
+            self._all("shutdown", timeout_s=min(SHUTDOWN_TIMEOUT_S, self.config.call_timeout_s))
         finally:
             self.kill()
 
