@@ -488,6 +488,8 @@ class JobDriver:
             reports = ray.get([n.report.remote() for n in self.supervisor.actors], timeout=10)
         except Exception:  # a node that does not answer shows up in its heartbeat instead
             return {}
+        if self.metrics is not None:
+            self.metrics.take_reports(reports)
         loads = [r["weight_load_s_last"] for r in reports if r["weight_loads"]]
         return {
             "weight_load_s_max": max(loads) if loads else 0.0,

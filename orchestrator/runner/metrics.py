@@ -277,6 +277,13 @@ class MetricsExporter(Collector):
         if (s.step + 1) % self.publish_every == 0 or last:
             self._publish_s.observe(float(m.get("publish_s", 0.0) or 0.0))
 
+    def take_reports(self, reports: list[dict[str, Any]]) -> None:
+        """Reports the driver already fetched from the rollout nodes (after every step): the
+        freshest a collection can have, also for a node that stops right after."""
+        with self._lock:
+            for report in reports:
+                self._reports[int(report["worker_id"])] = report
+
     def _read_node_reports(self) -> None:
         """Collect the rollout nodes' reports that have arrived and ask again, never waiting:
         a node still starting, busy or hung answers later (or never, and its heartbeat age

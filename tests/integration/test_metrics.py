@@ -253,6 +253,12 @@ def test_metrics_scraped_during_a_short_job(
         t = threading.Thread(target=poll, args=(url,), daemon=True)
         t.start()
         result = driver.run()
+        stop.set()
+        t.join(timeout=5)
+        # one collection after the run: the stopped rollout node must read as down (the
+        # poller's last scrape may have come before the exporter's next refresh)
+        driver.metrics.refresh()
+        scrapes.append(scrape(url))
     finally:
         stop.set()
         driver.close()
@@ -261,9 +267,10 @@ def test_metrics_scraped_during_a_short_job(
         scrape(url)  # closed with the driver
     series = [parse(s) for s in scrapes]
     assert len(series) >= 3
-    first = next(f for f in series if value(f, "rollcall_train_steps_total") >= 1)
-    # the last scrape before the driver stopped the rollout nodes (it then evaluates, saves)
-    last = [f for f in series if values(f, "rollcall_node_up", node="rollout-0") == [1.0]][-1]
+    # the first and the last scrape while the rollout node was up (it registers before the
+    # first step can be trained; the driver stops it at the end, then evaluates and saves)
+    up = [f for f in series if values(f, "rollcall_node_up", node="rollout-0") == [1.0]]
+    first, last = up[0], up[-1]
     for fams in (first, last):
         assert set(fams) == set(METRICS)
         check_labels(
@@ -295,9 +302,10 @@ def test_metrics_scraped_during_a_short_job(
     assert value(last, "rollcall_trainer_step_seconds_count") >= 2
     assert value(last, "rollcall_node_up", node="trainer-0", role="trainer") == 1
     assert value(series[-1], "rollcall_node_up", node="rollout-0", role="rollout") == 0
-    # the rollout node loaded new weights after the steps, and reported the latency
-    assert value(last, "rollcall_weight_load_seconds_count", node="rollout-0") >= 1
-    assert value(last, "rollcall_weight_load_seconds_sum", node="rollout-0") > 0
+    # the rollout node loaded new weights after the steps, and reported the latency (reports
+    # arrive a collection late: the final scrape has the node's last one)
+    assert value(series[-1], "rollcall_weight_load_seconds_count", node="rollout-0") >= 1
+    assert value(series[-1], "rollcall_weight_load_seconds_sum", node="rollout-0") > 0
     assert value(last, "rollcall_weight_publish_seconds_count") >= 2
     # status during the job: running, and it names the endpoint
     assert statuses and statuses[0]["job"]["running"] is True
