@@ -22,6 +22,11 @@ BUILTIN: dict[str, str] = {
     "guess": "tasks.guess:GuessTask",
     "retrieval": "tasks.retrieval:RetrievalTask",
 }
+# Built-in timing models for benchmarks (ops/bench/): plugins like the others, but not tasks to
+# learn (no language), so the tiny model's tokenizer and warm start leave them out.
+BENCHMARK: dict[str, str] = {
+    "longtail": "tasks.longtail:LongtailTask",
+}
 
 
 class UnknownPluginError(LookupError):
@@ -37,12 +42,13 @@ class UnknownPluginError(LookupError):
 @dataclass(frozen=True)
 class PluginInfo:
     name: str
-    source: str  # "builtin" or the distribution that provides it
+    source: str  # "builtin", "benchmark" (a built-in timing model) or the distribution
     target: str  # "module:Class"
 
 
 def available() -> dict[str, PluginInfo]:
     found = {n: PluginInfo(n, "builtin", t) for n, t in BUILTIN.items()}
+    found |= {n: PluginInfo(n, "benchmark", t) for n, t in BENCHMARK.items()}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in found:
             continue  # built-ins cannot be shadowed

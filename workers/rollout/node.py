@@ -78,13 +78,11 @@ class RolloutNode:
         self, database_url: str, job_id: int, config: NodeConfig, buffer: BufferConfig | None = None
     ) -> None:
         self.config = config
-        if config.threads > 0:
-            import torch
-
-            torch.set_num_threads(config.threads)
         self.db = open_database(database_url, pool_size=config.concurrency + 2)
         self.buffer = Buffer(self.db, job_id, buffer or BufferConfig())
-        self.base_engine = make_engine(config.engine, config.model_dir, seed=config.seed)
+        self.base_engine = make_engine(
+            config.engine, config.model_dir, seed=config.seed, threads=config.threads
+        )
         # The agent loops share one generate call (BatchingEngine), unless the engine batches
         # concurrent requests itself (vLLM): then each loop's request goes to it directly.
         self.batcher: BatchingEngine | None = None
@@ -155,6 +153,10 @@ class RolloutNode:
             # context tokens served from the engine's KV caches vs prefilled (engines that say)
             "kv_reused_tokens": getattr(self.base_engine, "reused_tokens", 0),
             "kv_prefilled_tokens": getattr(self.base_engine, "prefilled_tokens", 0),
+            # what the control plane costs this node: per buffer operation, its calls, wall and
+            # CPU seconds and a latency histogram (orchestrator/buffer/timings.py)
+            "buffer_ops": self.buffer.timings.snapshot(),
+            "process_cpu_s": time.process_time(),
         }
 
     def stop(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,23 @@ def version_dir(root: Path, version: int) -> Path:
 def publish(state_dict: dict[str, Any], root: Path, version: int, *, keep: int = 3) -> str:
     from safetensors.torch import save_file
 
+    return publish_with(
+        lambda path: save_file(state_dict, str(path), metadata={"version": str(version)}),
+        root,
+        version,
+        keep=keep,
+    )
+
+
+def publish_with(write: Callable[[Path], None], root: Path, version: int, *, keep: int = 3) -> str:
+    """``publish`` for any writer: ``write(path)`` writes the weights file at ``path``."""
     root.mkdir(parents=True, exist_ok=True)
     final = version_dir(root, version)
     tmp = root / f".v{version:06d}.{os.getpid()}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file(state_dict, str(tmp / WEIGHTS_FILE), metadata={"version": str(version)})
+    write(tmp / WEIGHTS_FILE)
     if final.exists():  # a replayed step republishes its version
         shutil.rmtree(final)
     tmp.rename(final)
