@@ -7,6 +7,7 @@ third-party plugins register under the ``rollcall.tasks`` entry-point group
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -47,6 +48,14 @@ class PluginInfo:
 
 
 def available() -> dict[str, PluginInfo]:
+    return dict(_available())
+
+
+@functools.cache
+def _available() -> dict[str, PluginInfo]:
+    """Discovered once per process: reading every installed distribution's entry points takes
+    milliseconds, and claims and seeding look plugins up all the time (a plugin installed
+    later is found by processes started later)."""
     found = {n: PluginInfo(n, "builtin", t) for n, t in BUILTIN.items()}
     found |= {n: PluginInfo(n, "benchmark", t) for n, t in BENCHMARK.items()}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
@@ -58,7 +67,7 @@ def available() -> dict[str, PluginInfo]:
 
 
 def get(name: str) -> TaskPlugin:
-    infos = available()
+    infos = _available()
     info = infos.get(name)
     if info is None:
         raise UnknownPluginError(name, list(infos))

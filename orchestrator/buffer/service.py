@@ -263,7 +263,8 @@ class Buffer:
     @timed
     @retry_transient
     def claim(self, worker_id: int) -> ClaimedEpisode | None:
-        """Lease one episode for the worker, or None when no task has claimable work."""
+        """Lease one episode for the worker, or None when no task has claimable work. The
+        claim carries the job's published weights, read after the lease was taken."""
         # Autocommit: each claim attempt is one statement and one transaction, so a task's
         # lock is held only while the database runs it. First attempt: never wait; a task whose
         # lock another claimer holds is skipped, which spreads claimers over tasks. Only when
@@ -290,6 +291,7 @@ class Buffer:
             samples = tx.trajectories.samples_for_resume(row.task_id, row.id, row.group_size)
         else:
             samples = tuple(SampleState(i, "new") for i in range(row.group_size))
+        published = tx.batches.published_weights(self.job_id)
         return ClaimedEpisode(
             lease=Lease(row.id, row.task_id, row.lease_epoch, worker_id),
             task_name=row.task_name,
@@ -300,6 +302,7 @@ class Buffer:
             group_size=row.group_size,
             attempts=row.attempts,
             samples=samples,
+            published_weights=published,
         )
 
     @timed

@@ -101,6 +101,7 @@ class TimingEngine:
         self._version = version
         self._lock = threading.Lock()
         self._in_flight = 0
+        self.peak_in_flight = 0  # most requests generating at once
         self._tokens = 0
         self._requests = 0
         self.reused_tokens = 0  # context tokens served from the prefix cache
@@ -170,6 +171,7 @@ class TimingEngine:
         with self._lock:
             self._in_flight += len(requests)
             in_flight = self._in_flight
+            self.peak_in_flight = max(self.peak_in_flight, in_flight)
             draws = [
                 (
                     self._rng.randrange(10**6),
