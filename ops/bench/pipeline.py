@@ -185,17 +185,29 @@ def group_span(samples: list[Sample], rng: random.Random, group: int, parallel: 
     return max(draws) if parallel else sum(draws)
 
 
-def compute_bounds(setup: Setup, profile: dict[str, list[Sample]], parallel: bool) -> Bounds:
-    """The pipeline's theoretical throughput for this configuration (see RESULTS.md)."""
+def compute_bounds(
+    setup: Setup,
+    profile: dict[str, list[Sample]],
+    parallel: bool,
+    mix: dict[str, float] | None = None,
+) -> Bounds:
+    """The pipeline's theoretical throughput for this configuration (see RESULTS.md). ``mix``:
+    the share of each task among the trajectories (default: equal, as the weights ask; a run's
+    realized mix differs when a task falls short and the others fill its batch slots)."""
     rng = random.Random(7)
     names = list(profile)
+    share_of = mix or {n: 1 / len(names) for n in names}
     b, g = setup.batch_groups, setup.group_size
-    every = [s for n in names for s in profile[n]]
-    traj_s = statistics.mean(s.seconds for s in every)
-    tokens = statistics.mean(s.tokens for s in every)
+    traj_s = sum(
+        share_of.get(n, 0.0) * statistics.mean(x.seconds for x in profile[n]) for n in names
+    )
+    tokens = sum(
+        share_of.get(n, 0.0) * statistics.mean(x.tokens for x in profile[n]) for n in names
+    )
     trials = 2000
+    weights = [share_of.get(n, 0.0) for n in names]
     span = statistics.mean(
-        group_span(profile[rng.choice(names)], rng, g, parallel) for _ in range(trials)
+        group_span(profile[rng.choices(names, weights)[0]], rng, g, parallel) for _ in range(trials)
     )
     # Sync: every task's admission cap is ceil(batch share); those groups start together and
     # the batch is complete when the first B of them are done (loops permitting).
@@ -287,14 +299,15 @@ def config_for(setup: Setup, name: str, url: str, run_dir: Path) -> RollcallConf
     )  # fmt: skip
 
 
-def postgres_cpu_s(pgdata: Path) -> float:
-    """CPU seconds of our PostgreSQL: the postmaster, its live children and reaped ones."""
+def postgres_cpu_s(pgdata: Path) -> tuple[float, int]:
+    """CPU seconds of our PostgreSQL (the postmaster, its live children and reaped ones) and
+    its number of child processes (client backends plus a few auxiliary ones)."""
     tick = os.sysconf("SC_CLK_TCK")
     try:
         pm = int((pgdata / "postmaster.pid").read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        return 0.0
-    total = 0.0
+        return 0.0, 0
+    total, children = 0.0, 0
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
@@ -307,7 +320,8 @@ def postgres_cpu_s(pgdata: Path) -> float:
             total += sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
         elif ppid == pm:
             total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+            children += 1
+    return total, children
 
 
 @dataclass
@@ -317,6 +331,7 @@ class Snap:
     nodes: list[dict[str, Any]]
     driver_ops: dict[str, Any]
     pg_cpu_s: float
+    pg_processes: int
     driver_cpu_s: float
 
 
@@ -340,9 +355,10 @@ class Monitor(threading.Thread):
             reports = ray.get([a.report.remote() for a in sup.actors], timeout=10)
         except Exception:
             return None
+        pg_cpu, pg_procs = postgres_cpu_s(self.pgdata)
         return Snap(
             time.monotonic(), step, reports, self.driver.buffer.timings.snapshot(),
-            postgres_cpu_s(self.pgdata), time.process_time(),
+            pg_cpu, pg_procs, time.process_time(),
         )  # fmt: skip
 
     def run(self) -> None:
@@ -405,17 +421,27 @@ def run_job(setup: Setup, url: str, home: Path, model_dir: Path, name: str) -> d
         with db.transaction() as tx:
             steps = tx.monitoring.steps_after(driver.job_id, -1)
             staleness = tx.monitoring.trained_staleness(driver.job_id)
-            counters = [t.counters for t in tx.tasks.list(driver.job_id)]
+            task_views = tx.tasks.list(driver.job_id)
+            counters = [t.counters for t in task_views]
+            names = {t.id: t.name for t in task_views}
     finally:
         monitor.done.set()
         driver.close()
         db.dispose()
         log.close()
     records = {r["step"]: r for r in RunDir(run_dir).records("step")}
+    trained = {names[t]: sum(per.values()) for t, per in staleness.items()}
     return summarise(setup, result, monitor.snaps, steps, staleness, counters, records) | {
+        "trained_groups_by_task": trained,
         "load_before": uptime0,
         "load_after": load_average(),
     }
+
+
+def realized_mix(run: dict[str, Any]) -> dict[str, float]:
+    by_task = run["trained_groups_by_task"]
+    total = sum(by_task.values()) or 1
+    return {k: v / total for k, v in by_task.items()}
 
 
 BUSY_PHASES = ("train_s", "checkpoint_s", "publish_s")
@@ -470,6 +496,7 @@ def summarise(
         "expired_groups": expired,
         "expired_frac": expired / (expired + groups) if expired + groups else 0.0,
         "cp": control_plane(setup, costs, last.at - first.at, last.step - first.step),
+        "pg_processes_max": max(x.pg_processes for x in snaps.values()),
     }
 
 
@@ -566,31 +593,35 @@ def describe(setup: Setup, b: Bounds) -> str:
     )
 
 
+def mode_bound(b: Bounds, mode: str) -> float:
+    return b.sync_traj_per_s if mode == "sync" else b.async_traj_per_s
+
+
 def print_compare(setup: Setup, b: Bounds, runs: dict[str, dict[str, Any]]) -> None:
     print(describe(setup, b))
-    bound = {"sync": b.sync_traj_per_s, "async": b.async_traj_per_s}
-    head = ("mode", "traj/h (sim)", "bound", "eff", "busy", "stale mean", "expired", "cp rollout",
-            "cp driver", "cp cpu ms/traj", "claim p50/p99 ms", "load")  # fmt: skip
+    head = ("mode", "traj/h (sim)", "bound", "eff", "bound (mix)", "eff (mix)", "busy",
+            "stale mean", "expired", "cp rollout", "cp driver", "cp cpu ms/traj",
+            "claim p50/p99 ms", "load")  # fmt: skip
     print(" | ".join(head))
     for mode, r in runs.items():
-        print(
-            " | ".join(
-                [
-                    mode,
-                    f"{r['traj_per_s_sim'] * 3600:,.0f}",
-                    f"{bound[mode] * 3600:,.0f}",
-                    f"{r['traj_per_s_sim'] / bound[mode]:.1%}",
-                    f"{r['busy']:.1%}",
-                    f"{r['staleness_mean']:.2f}",
-                    f"{r['expired_frac']:.1%}",
-                    f"{r['cp']['rollout_share']:.2%}",
-                    f"{r['cp']['driver_share']:.2%}",
-                    f"{r['cp']['cpu_ms_per_traj']:.1f}",
-                    f"{r['cp']['claim_p50_ms']}/{r['cp']['claim_p99_ms']}",
-                    "/".join(f"{x:g}" for x in r["load_after"]),
-                ]
-            )
-        )
+        bound, mixed = mode_bound(b, mode), r["bound_mix_traj_per_s"]
+        cells = [
+            mode,
+            f"{r['traj_per_s_sim'] * 3600:,.0f}",
+            f"{bound * 3600:,.0f}",
+            f"{r['traj_per_s_sim'] / bound:.1%}",
+            f"{mixed * 3600:,.0f}",
+            f"{r['traj_per_s_sim'] / mixed:.1%}",
+            f"{r['busy']:.1%}",
+            f"{r['staleness_mean']:.2f}",
+            f"{r['expired_frac']:.1%}",
+            f"{r['cp']['rollout_share']:.2%}",
+            f"{r['cp']['driver_share']:.2%}",
+            f"{r['cp']['cpu_ms_per_traj']:.1f}",
+            f"{r['cp']['claim_p50_ms']}/{r['cp']['claim_p99_ms']}",
+            "/".join(f"{x:g}" for x in r["load_after"]),
+        ]
+        print(" | ".join(cells))
     if "sync" in runs and "async" in runs:
         s = runs["async"]["traj_per_s_sim"] / runs["sync"]["traj_per_s_sim"]
         print(f"speedup async/sync: {s:.2f}x (bound {b.async_traj_per_s / b.sync_traj_per_s:.2f}x)")
@@ -674,7 +705,11 @@ def main() -> None:
             runs = {}
             for m in modes:
                 s = replace(setup, mode=m, steps=steps[m], warmup=min(setup.warmup, steps[m] - 1))
-                runs[m] = run_job(s, url, home, model_dir, f"bench-{m}-{int(time.time())}")
+                r = run_job(s, url, home, model_dir, f"bench-{m}-{int(time.time())}")
+                mixed = compute_bounds(s, profile, parallel, mix=realized_mix(r))
+                r["bounds_mix"] = asdict(mixed)
+                r["bound_mix_traj_per_s"] = mode_bound(mixed, m)
+                runs[m] = r
             print_compare(setup, b, runs)
             out.update(setup=asdict(setup), bounds=asdict(b), runs=runs)
             out["profile"] = profile_stats(profile)
@@ -750,10 +785,13 @@ def scaling(
             )  # fmt: skip
             b = compute_bounds(setup, profile, parallel)
             r = run_job(setup, url, home, model_dir, f"scale-n{nodes}-t{tasks}-{int(time.time())}")
+            mixed = compute_bounds(setup, profile, parallel, mix=realized_mix(r))
             row = {
                 "nodes": nodes, "tasks": tasks, "loops": loops, "scale": scale,
                 "max_staleness": staleness, "bound_traj_per_s_sim": b.async_traj_per_s,
+                "bound_mix_traj_per_s_sim": mixed.async_traj_per_s,
                 "limited_by": b.async_limited_by, **_row(r, b),
+                "efficiency_mix": r["traj_per_s_sim"] / mixed.async_traj_per_s,
             }  # fmt: skip
             rows.append(row)
             print_scaling_row(row, header=len(rows) == 1)
@@ -782,7 +820,8 @@ def _row(r: dict[str, Any], b: Bounds) -> dict[str, Any]:
 
 
 def print_scaling_row(row: dict[str, Any], *, header: bool) -> None:
-    cols = ("nodes", "tasks", "loops", "traj/h (sim)", "real/s", "eff", "claim p50/p99 ms",
+    cols = ("nodes", "tasks", "loops", "traj/h (sim)", "real/s", "eff", "eff (mix)",
+            "claim p50/p99 ms",
             "claims/traj", "cp ms/traj", "cp cpu ms/traj", "pg cpu", "node cpu", "expired",
             "load")  # fmt: skip
     if header:
@@ -792,7 +831,8 @@ def print_scaling_row(row: dict[str, Any], *, header: bool) -> None:
             [
                 str(row["nodes"]), str(row["tasks"]), str(row["loops"]),
                 f"{row['traj_per_h_sim']:,.0f}", f"{row['traj_per_s_real']:.2f}",
-                f"{row['efficiency']:.1%}", f"{row['claim_p50_ms']}/{row['claim_p99_ms']}",
+                f"{row['efficiency']:.1%}", f"{row['efficiency_mix']:.1%}",
+                f"{row['claim_p50_ms']}/{row['claim_p99_ms']}",
                 f"{row['claims_per_traj']:.2f}", f"{row['cp_wall_ms_per_traj']:.1f}",
                 f"{row['cp_cpu_ms_per_traj']:.1f}", f"{row['pg_cpu_ms_per_traj']:.1f}",
                 f"{row['node_cpu_ms_per_traj']:.1f}", f"{row['expired_frac']:.1%}",
