@@ -134,7 +134,41 @@ class VLLMEngineConfig(StrictModel):
     )
 
 
-EngineConfig = Annotated[HFEngineConfig | VLLMEngineConfig, Field(discriminator="kind")]
+class TimingEngineConfig(StrictModel):
+    """A benchmark engine, not a model: it plays the ``longtail`` task's tool protocol and
+    sleeps a modelled time per generation instead of computing one (``ops/bench/pipeline.py``).
+    Durations are simulated seconds, slept as ``time_scale`` real seconds each. It behaves like
+    a continuous-batching engine with a prefix cache: a request takes ``prefill_s_per_token``
+    per context token not cached plus ``decode_s_per_token`` per generated token, the decode
+    step slowed by ``decode_batch_slope`` per other request in flight. Each turn is a well-formed
+    tool call (the model's tokenizer) of a length drawn log-uniformly from
+    ``turn_tokens_min..turn_tokens_max``, with fixed behaviour log-probs. It imports no torch
+    and loads no model (only ``tokenizer.json`` from the model folder)."""
+
+    kind: Literal["timing_model"] = "timing_model"
+    time_scale: float = Field(default=0.02, gt=0, description="real seconds per simulated second")
+    prefill_s_per_token: float = Field(default=1e-4, ge=0)
+    decode_s_per_token: float = Field(default=0.02, ge=0)
+    decode_batch_slope: float = Field(
+        default=0.0, ge=0, description="decode slowdown per other request in flight"
+    )
+    turn_tokens_min: int = Field(default=40, ge=1)
+    turn_tokens_max: int = Field(default=200, ge=1)
+    load_s: float = Field(default=1.0, ge=0, description="simulated weight-load time")
+    tool: str = Field(default="work", description="the tool every turn calls")
+    logprob: float = Field(default=-0.7, le=0, description="behaviour log-prob of every token")
+    prefix_cache_entries: int = Field(default=4096, ge=0, description="0: no prefix cache")
+
+    @model_validator(mode="after")
+    def _range(self) -> TimingEngineConfig:
+        if self.turn_tokens_max < self.turn_tokens_min:
+            raise ValueError("turn_tokens_max must be at least turn_tokens_min")
+        return self
+
+
+EngineConfig = Annotated[
+    HFEngineConfig | VLLMEngineConfig | TimingEngineConfig, Field(discriminator="kind")
+]
 
 
 class ModelConfig(StrictModel):
@@ -200,8 +234,24 @@ class RolloutConfig(StrictModel):
         return self
 
 
+class TimingTrainerConfig(StrictModel):
+    """A benchmark trainer, not a trainer: one Ray actor that takes each step's planned batch
+    and sleeps ``step_s + s_per_token x tokens`` simulated seconds (``time_scale`` real seconds
+    each), then goes through the normal checkpoint, publish and commit path, writing small
+    files (``publish_bytes`` of weights per version) and sleeping the modelled ``checkpoint_s``
+    and ``publish_s``. Never for training: the weights do not change (``ops/bench/pipeline.py``)."""
+
+    time_scale: float = Field(default=0.02, gt=0, description="real seconds per simulated second")
+    step_s: float = Field(default=1.0, ge=0, description="fixed simulated time per step")
+    s_per_token: float = Field(default=3e-4, ge=0, description="simulated seconds per token")
+    checkpoint_s: float = Field(default=0.5, ge=0)
+    publish_s: float = Field(default=0.5, ge=0)
+    publish_bytes: int = Field(default=1_000_000, ge=1)
+
+
 class TrainerConfig(StrictModel):
-    """The FSDP2 trainer: ``ranks`` Ray actors, gloo on CPU, NCCL on CUDA."""
+    """The FSDP2 trainer: ``ranks`` Ray actors, gloo on CPU, NCCL on CUDA. With
+    ``timing_model`` set, the benchmark's timing model stands in for it instead."""
 
     ranks: int = Field(default=1, ge=1)
     cpus_per_rank: float = Field(default=1.0, gt=0)
@@ -233,6 +283,9 @@ class TrainerConfig(StrictModel):
         "by then is a failed trainer: killed and restarted from the last checkpoint",
     )
     loss: LossConfig = Field(default_factory=LossConfig)
+    timing_model: TimingTrainerConfig | None = Field(
+        default=None, description="benchmarks only: a timing model instead of the FSDP2 ranks"
+    )
 
 
 class ControlPlaneConfig(StrictModel):
@@ -255,7 +308,9 @@ class EvalConfig(StrictModel):
     """Reward on held-out prompts, per task, for the learning curve."""
 
     every: int = Field(default=5, ge=0, description="steps between evaluations (0: start, end)")
-    episodes: int = Field(default=32, ge=1, description="held-out prompts per task")
+    episodes: int = Field(
+        default=32, ge=0, description="held-out prompts per task (0: no evaluation at all)"
+    )
     temperature: float = Field(default=1.0, gt=0)
 
 

@@ -7,6 +7,7 @@ third-party plugins register under the ``rollcall.tasks`` entry-point group
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -21,6 +22,11 @@ BUILTIN: dict[str, str] = {
     "echo": "tasks.echo:EchoTask",
     "guess": "tasks.guess:GuessTask",
     "retrieval": "tasks.retrieval:RetrievalTask",
+}
+# Built-in timing models for benchmarks (ops/bench/): plugins like the others, but not tasks to
+# learn (no language), so the tiny model's tokenizer and warm start leave them out.
+BENCHMARK: dict[str, str] = {
+    "longtail": "tasks.longtail:LongtailTask",
 }
 
 
@@ -37,12 +43,21 @@ class UnknownPluginError(LookupError):
 @dataclass(frozen=True)
 class PluginInfo:
     name: str
-    source: str  # "builtin" or the distribution that provides it
+    source: str  # "builtin", "benchmark" (a built-in timing model) or the distribution
     target: str  # "module:Class"
 
 
 def available() -> dict[str, PluginInfo]:
+    return dict(_available())
+
+
+@functools.cache
+def _available() -> dict[str, PluginInfo]:
+    """Discovered once per process: reading every installed distribution's entry points takes
+    milliseconds, and claims and seeding look plugins up all the time (a plugin installed
+    later is found by processes started later)."""
     found = {n: PluginInfo(n, "builtin", t) for n, t in BUILTIN.items()}
+    found |= {n: PluginInfo(n, "benchmark", t) for n, t in BENCHMARK.items()}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in found:
             continue  # built-ins cannot be shadowed
@@ -52,7 +67,7 @@ def available() -> dict[str, PluginInfo]:
 
 
 def get(name: str) -> TaskPlugin:
-    infos = available()
+    infos = _available()
     info = infos.get(name)
     if info is None:
         raise UnknownPluginError(name, list(infos))

@@ -29,7 +29,9 @@ def corpus_lines(n_per_task: int = 300) -> Iterator[str]:
     from workers.rollout.chat import prompt_text
     from workers.warmstart import episode
 
-    for name in registry.available():
+    for name, info in registry.available().items():
+        if info.source == "benchmark":  # timing models, not language
+            continue
         plugin = registry.get(name)
         spec = plugin.Spec()
         for i in range(n_per_task):

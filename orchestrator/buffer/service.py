@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from orchestrator.buffer.timings import OpTimings, timed
 from orchestrator.buffer.types import (
     Batch,
     ClaimedEpisode,
@@ -85,9 +86,11 @@ class Buffer:
         self.retry_window_s = self.config.retry_window
         self._last_dead_sweep: Any = None
         self._plugins = plugins
+        self.timings = OpTimings()  # wall and CPU time of each operation (control-plane cost)
 
     # -- control plane ------------------------------------------------------------------------
 
+    @timed
     @retry_transient
     def seed(self) -> dict[str, int]:
         """Queue episodes for every active task up to its admission cap. Returns per task
@@ -116,6 +119,7 @@ class Buffer:
                 added[r.name] = n
         return added
 
+    @timed
     @retry_transient
     def sweep_expired_leases(self) -> SweepResult:
         """Requeue (or quarantine) every episode whose lease expired on the database clock."""
@@ -123,6 +127,7 @@ class Buffer:
             rows = tx.episodes.lock_expired_leases(self.job_id)
             return self._requeue(tx, rows, "lease expired")
 
+    @timed
     @retry_transient
     def requeue_worker(
         self, worker_id: int, status: WorkerStatus = WorkerStatus.DEAD
@@ -133,6 +138,7 @@ class Buffer:
             rows = tx.episodes.lock_worker_leases(worker_id)
             return self._requeue(tx, rows, f"worker {worker_id} {status.value}")
 
+    @timed
     @retry_transient
     def sweep_dead_workers(
         self, heartbeat_timeout_s: float, progress_timeout_s: float
@@ -166,12 +172,14 @@ class Buffer:
                 dead.append(DeadWorker(w["id"], w["name"], w["reason"], swept))
             return dead
 
+    @timed
     @retry_transient
     def event(self, kind: str, message: str, payload: dict[str, Any] | None = None) -> None:
         """Record a control-plane event for operators."""
         with self.db.transaction() as tx:
             tx.events.add(kind, ACTOR, message, job_id=self.job_id, payload=payload or {})
 
+    @timed
     @retry_transient
     def release_trainer_claims(self) -> int:
         """Claimed trajectories of an uncommitted step back to ``ready`` (trainer died); the
@@ -203,6 +211,7 @@ class Buffer:
 
     # -- rollout side --------------------------------------------------------------------------
 
+    @timed
     @retry_transient
     def register_worker(
         self, name: str, role: WorkerRole = WorkerRole.ROLLOUT, **info: Any
@@ -210,6 +219,7 @@ class Buffer:
         with self.db.transaction() as tx:
             return tx.workers.register(job_id=self.job_id, role=role, name=name, **info)
 
+    @timed
     @retry_transient
     def heartbeat(
         self, worker_id: int, tokens_generated: int = 0, loaded_version: int | None = None
@@ -218,6 +228,7 @@ class Buffer:
         lease missing from the list has moved on and its work must be abandoned."""
         return self.beat(worker_id, tokens_generated, loaded_version)[1]
 
+    @timed
     @retry_transient
     def beat(
         self, worker_id: int, tokens_generated: int = 0, loaded_version: int | None = None
@@ -229,26 +240,31 @@ class Buffer:
                 return False, []
             return True, tx.episodes.renew(worker_id, self.config.lease_s)
 
+    @timed
     @retry_transient
     def published_weights(self) -> tuple[int, str] | None:
         """(version, location) of the latest published weights, or None before the first."""
         with self.db.transaction() as tx:
             return tx.batches.published_weights(self.job_id)
 
+    @timed
     @retry_transient
     def node_health(self) -> list[dict[str, Any]]:
         with self.db.transaction() as tx:
             return tx.workers.health(self.job_id)
 
+    @timed
     @retry_transient
     def depth(self) -> dict[str, int]:
         """Episodes of the job by status (``done`` split into ``ready`` and ``consumed``)."""
         with self.db.transaction() as tx:
             return tx.episodes.depth(self.job_id)
 
+    @timed
     @retry_transient
     def claim(self, worker_id: int) -> ClaimedEpisode | None:
-        """Lease one episode for the worker, or None when no task has claimable work."""
+        """Lease one episode for the worker, or None when no task has claimable work. The
+        claim carries the job's published weights, read after the lease was taken."""
         # Autocommit: each claim attempt is one statement and one transaction, so a task's
         # lock is held only while the database runs it. First attempt: never wait; a task whose
         # lock another claimer holds is skipped, which spreads claimers over tasks. Only when
@@ -275,6 +291,7 @@ class Buffer:
             samples = tx.trajectories.samples_for_resume(row.task_id, row.id, row.group_size)
         else:
             samples = tuple(SampleState(i, "new") for i in range(row.group_size))
+        published = tx.batches.published_weights(self.job_id)
         return ClaimedEpisode(
             lease=Lease(row.id, row.task_id, row.lease_epoch, worker_id),
             task_name=row.task_name,
@@ -285,13 +302,16 @@ class Buffer:
             group_size=row.group_size,
             attempts=row.attempts,
             samples=samples,
+            published_weights=published,
         )
 
+    @timed
     @retry_transient
     def checkpoint(self, lease: Lease, sample_index: int, payload: TrajectoryPayload) -> None:
         """Record a trajectory's progress after a turn. Fenced by the lease epoch."""
         self._write_one(lease, sample_index, payload, None, None)
 
+    @timed
     @retry_transient
     def commit(
         self,
@@ -304,6 +324,7 @@ class Buffer:
         """Commit a finished trajectory as ``ready`` with its reward (idempotent, fenced)."""
         return self._write_one(lease, sample_index, payload, reward, reward_info)
 
+    @timed
     @retry_transient
     def commit_many(
         self,
@@ -313,6 +334,7 @@ class Buffer:
         """Commit several finished samples of one group in one transaction."""
         return self._commit_group(lease, list(samples))
 
+    @timed
     @retry_transient
     def release(self, lease: Lease, error: str) -> SweepResult:
         """The worker gives the episode up (e.g. its engine failed): requeue or quarantine."""
@@ -397,6 +419,7 @@ class Buffer:
 
     # -- trainer side ---------------------------------------------------------------------------
 
+    @timed
     @retry_transient
     def expire_stale(self) -> dict[str, int]:
         """Expire finished groups older than their task's staleness bound (their prompts are
@@ -416,6 +439,7 @@ class Buffer:
             tx.episodes.bump_task_counter(task_id, "expired_groups", n)
         return {names.get(t, str(t)): n for t, n in expired.items()}
 
+    @timed
     @retry_transient
     def claim_batch(self, step: int, min_groups: int = 0) -> Batch:
         """Claim the batch for ``step`` (or replay the one already reserved for it). With
@@ -477,6 +501,7 @@ class Buffer:
             groups = tx.batches.load_groups(ids)
             return Batch(step, job.policy_version, tuple(groups), mix, False, expired_by_task)
 
+    @timed
     @retry_transient
     def commit_step(
         self,

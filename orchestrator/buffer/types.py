@@ -166,6 +166,10 @@ class ClaimedEpisode:
     group_size: int
     attempts: int
     samples: tuple[SampleState, ...]
+    # the job's published weights (version, location) as of the claim, read after the lease
+    # was taken: a node loads them before rolling out, so nothing it generates for this claim
+    # predates a version published before the episode could be claimed
+    published_weights: tuple[int, str] | None = None
 
     @property
     def resumed(self) -> bool:

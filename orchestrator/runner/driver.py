@@ -165,10 +165,10 @@ class JobDriver:
             self.started_ray = True
 
     def _start_trainer(self) -> None:
-        from workers.trainer.group import TrainerGroup
+        from workers.trainer.factory import make_trainer
 
         cfg = self.cfg
-        self.trainer = TrainerGroup(
+        self.trainer = make_trainer(
             cfg.trainer,
             str(self.model_dir),
             total_steps=cfg.run.total_steps,
@@ -295,6 +295,8 @@ class JobDriver:
     def _start_evaluator(self) -> None:
         from workers.evaluation import evaluator_actor
 
+        if self.cfg.run.eval.episodes == 0:  # no evaluation (e.g. a benchmark's timing model)
+            return
         r = self.cfg.rollout
         self.evaluator = evaluator_actor().remote(
             str(self.model_dir),
@@ -512,6 +514,8 @@ class JobDriver:
     def _evaluate(self, step: int, location: str | None) -> None:
         from workers.evaluation import EvalTask
 
+        if self.evaluator is None:
+            return
         tasks = [EvalTask(t.name, t.plugin, t.spec) for t in self.cfg.tasks]
         ref = self.evaluator.evaluate.remote(tasks, self.cfg.run.eval.episodes, step, location)
         self.pending_evals.append((step, ref))

@@ -47,3 +47,23 @@ def test_echo_spec_validation() -> None:
         EchoSpec.model_validate({"group_sise": 4})
     with pytest.raises(ValidationError):
         EchoSpec(group_size=0)
+
+
+def test_plugins_are_discovered_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claims and seeding look plugins up all the time; reading the installed distributions'
+    entry points each time cost milliseconds per lookup."""
+    calls = []
+
+    def counting(**kw: object) -> list[object]:
+        calls.append(kw)
+        return []
+
+    monkeypatch.setattr(registry, "entry_points", counting)
+    registry._available.cache_clear()
+    try:
+        for _ in range(5):
+            registry.get("echo")
+            registry.available()
+        assert len(calls) == 1
+    finally:
+        registry._available.cache_clear()

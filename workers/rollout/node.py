@@ -5,15 +5,21 @@ rollcall runs (``rollout_actor``). Its state is disposable: a restarted node reg
 worker incarnation and gets its work from the database, where requeued episodes carry their
 checkpoints. What it guarantees:
 
+- its ``concurrency`` agent loops share the claimed episodes' samples: a group's samples are
+  rolled out in parallel by as many loops as are free; a loop claims a new episode only when
+  no claimed sample waits for a loop and the claims in flight would not already fill the idle
+  loops (a node holds at most one group's worth of samples it cannot start yet), and, after a
+  claim found no work, not before ``idle_sleep_s`` (one idle claim per node, not per loop);
 - every episode it claims ends in a commit of each sample, or is released (its failure is
   counted; after ``max_attempts`` the buffer quarantines it), or is abandoned because its lease
-  moved on (the buffer rejected the write; the new holder continues from the checkpoint);
+  moved on (the buffer rejected the write; the new holder continues from the checkpoint); the
+  first failure of one of its samples stops the others at their next turn;
 - each trajectory is checkpointed through the buffer after every turn, fenced by the lease;
 - a heartbeat thread renews the node's leases and reports tokens generated (progress);
 - new weights are loaded between engine calls, so in-flight trajectories continue under the
-  new version and record it per turn (partial rollout): the node looks up the job's published
-  weights before every claim and on every heartbeat, and loads a newer version when there is
-  one (``load_weights`` does the same on demand).
+  new version and record it per turn (partial rollout): every claim carries the job's
+  published weights (read after the lease was taken) and the heartbeat looks them up; the node
+  loads a newer version before rolling the claim out (``load_weights`` does so on demand).
 """
 
 from __future__ import annotations
@@ -24,15 +30,17 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from orchestrator.buffer.service import Buffer
-from orchestrator.buffer.types import ClaimedEpisode, Lease
+from orchestrator.buffer.types import ClaimedEpisode, Lease, SampleState
 from orchestrator.config import BufferConfig, EngineConfig, HFEngineConfig
 from orchestrator.db.engine import open_database
 from orchestrator.errors import StaleLeaseError
 from tasks import registry
+from tasks.base import TaskPlugin, TaskSpec
 from workers.rollout.agent import AgentLoop, Limits, Trajectory
 from workers.rollout.engines.base import Engine, GenerationRequest
 from workers.rollout.engines.batching import BatchingEngine
@@ -54,6 +62,19 @@ class NodeConfig:
     engine: EngineConfig = field(default_factory=HFEngineConfig)
     seed: int = 0
     threads: int = 0  # torch threads of the engine (0: torch's default)
+
+
+@dataclass
+class _Work:
+    """A claimed episode whose samples the node's agent loops share."""
+
+    claim: ClaimedEpisode
+    plugin: TaskPlugin
+    spec: TaskSpec
+    limits: Limits
+    todo: deque[SampleState]  # samples not started yet
+    running: int = 0  # samples being rolled out now
+    failed: bool = False  # released or abandoned: no further sample starts
 
 
 class LeaseLost(Exception):
@@ -78,13 +99,11 @@ class RolloutNode:
         self, database_url: str, job_id: int, config: NodeConfig, buffer: BufferConfig | None = None
     ) -> None:
         self.config = config
-        if config.threads > 0:
-            import torch
-
-            torch.set_num_threads(config.threads)
         self.db = open_database(database_url, pool_size=config.concurrency + 2)
         self.buffer = Buffer(self.db, job_id, buffer or BufferConfig())
-        self.base_engine = make_engine(config.engine, config.model_dir, seed=config.seed)
+        self.base_engine = make_engine(
+            config.engine, config.model_dir, seed=config.seed, threads=config.threads
+        )
         # The agent loops share one generate call (BatchingEngine), unless the engine batches
         # concurrent requests itself (vLLM): then each loop's request goes to it directly.
         self.batcher: BatchingEngine | None = None
@@ -101,6 +120,15 @@ class RolloutNode:
         self._load_lock = threading.Lock()
         self._lost: set[tuple[int, int]] = set()
         self._active: set[tuple[int, int]] = set()
+        # Claimed episodes' samples waiting for a loop, and what the loops are doing
+        # (``_work_cv`` guards them; ``_lock`` the stats and the lease sets).
+        self._work_cv = threading.Condition()
+        self._pending: deque[_Work] = deque()
+        self._running = 0  # samples being rolled out
+        self._claiming = 0  # loops inside a claim
+        # samples the last claimed episode brought (claims are one at a time until known)
+        self._group_hint = max(1, config.concurrency)
+        self._no_work_until = 0.0  # after a claim that found no work, the next one waits
         self._stop = threading.Event()
         # beats go on while a stopping node finishes its episodes (its leases must stay live)
         self._beats_stop = threading.Event()
@@ -155,6 +183,10 @@ class RolloutNode:
             # context tokens served from the engine's KV caches vs prefilled (engines that say)
             "kv_reused_tokens": getattr(self.base_engine, "reused_tokens", 0),
             "kv_prefilled_tokens": getattr(self.base_engine, "prefilled_tokens", 0),
+            # what the control plane costs this node: per buffer operation, its calls, wall and
+            # CPU seconds and a latency histogram (orchestrator/buffer/timings.py)
+            "buffer_ops": self.buffer.timings.snapshot(),
+            "process_cpu_s": time.process_time(),
         }
 
     def stop(self) -> None:
@@ -166,73 +198,181 @@ class RolloutNode:
         runner = ToolRunner(timeout_s=self.config.tool_timeout_s)
         idle_since = time.monotonic()
         try:
-            while not self._stop.is_set():
-                if budget is not None and not budget.acquire(blocking=False):
-                    return
-                self._sync_weights()
-                claim = self.buffer.claim(self.worker.id)
-                if claim is None:
-                    if budget is not None:
-                        budget.release()
-                    if until_idle_s is not None and time.monotonic() - idle_since > until_idle_s:
+            while True:
+                job = self._next_sample()
+                if job is None:  # nothing pending: this loop claims a new episode
+                    go_on, claim = self._claim(budget)
+                    if not go_on:
                         return
-                    time.sleep(self.config.idle_sleep_s)
-                    continue
+                    if claim is None:
+                        idle_s = time.monotonic() - idle_since
+                        if until_idle_s is not None and idle_s > until_idle_s:
+                            return
+                        continue
+                    job = self._admit(claim)
+                    if job is None:
+                        continue
                 idle_since = time.monotonic()
-                self._episode(claim, runner)
+                self._run_sample(*job, runner)
         finally:
             runner.close()
 
-    def _episode(self, claim: ClaimedEpisode, runner: ToolRunner) -> None:
-        lease = claim.lease
-        key = (lease.episode_id, lease.epoch)
-        with self._lock:
-            self._active.add(key)
+    def _claim(self, budget: threading.Semaphore | None) -> tuple[bool, ClaimedEpisode | None]:
+        """One claim by a loop that ``_next_sample`` let claim: (False, None) when the loop
+        stops (stop requested, episode budget spent), else (True, the episode or None: no
+        work, and the whole node waits ``idle_sleep_s`` before its next claim)."""
         try:
-            plugin = registry.get(claim.plugin)
-            spec = plugin.Spec.model_validate(claim.spec)
-            limits = Limits(
-                max_turns=spec.max_turns,
-                max_tokens_per_turn=self.config.limits.max_tokens_per_turn,
-                max_tokens=self.config.limits.max_tokens,
-                temperature=self.config.limits.temperature,
-            )
-            for sample in claim.samples:
-                if sample.status == "ready":
-                    continue
-                if sample.checkpoint is not None:
-                    with self._lock:
-                        self.stats.samples_resumed += 1
-                loop = AgentLoop(
-                    self.engine, self.tokenizer, plugin, spec, claim.prompt, runner, limits
-                )
-                outcome = loop.run(
-                    resume=sample.checkpoint,
-                    on_turn=functools.partial(self._checkpoint, lease, sample.sample_index),
-                )
-                t = outcome.trajectory
-                info = {"turns": outcome.turns, "stop_reason": t.stop_reason, "answer": t.answer}
-                self.buffer.commit(lease, sample.sample_index, t.payload(), outcome.reward, info)
+            if self._stop.is_set():
+                return False, None
+            if budget is not None and not budget.acquire(blocking=False):
+                return False, None
+            claim = self.buffer.claim(self.worker.id)
+            if claim is not None:
+                self._load_if_newer(claim.published_weights)
+            if claim is None:
+                if budget is not None:
+                    budget.release()
+                with self._work_cv:
+                    self._no_work_until = time.monotonic() + self.config.idle_sleep_s
+            return True, claim
+        finally:
+            with self._work_cv:
+                self._claiming -= 1
+                self._work_cv.notify_all()
+
+    def _next_sample(self) -> tuple[_Work, SampleState] | None:
+        """A pending sample of a claimed episode (taken: it now counts as running), or None
+        when this loop should claim a new episode (then counted in ``_claiming``). A loop
+        waits instead of claiming while the claims in flight will bring enough samples for
+        the idle loops (so a node never claims more than it can start), and for
+        ``idle_sleep_s`` after a claim found no work (one idle claim per node, not per loop)."""
+        with self._work_cv:
+            while True:
+                while self._pending:
+                    work = self._pending[0]
+                    if work.failed or not work.todo:
+                        self._pending.popleft()
+                        continue
+                    sample = work.todo.popleft()
+                    work.running += 1
+                    self._running += 1
+                    return work, sample
+                if self._stop.is_set():
+                    self._claiming += 1
+                    return None
+                wait = self._no_work_until - time.monotonic()
+                idle = self.config.concurrency - self._running
+                if wait <= 0 and self._claiming * self._group_hint < idle:
+                    self._claiming += 1
+                    return None
+                self._work_cv.wait(timeout=wait if wait > 0 else self.config.idle_sleep_s)
+
+    def _admit(self, claim: ClaimedEpisode) -> tuple[_Work, SampleState] | None:
+        """Register a claimed episode: its samples to run become pending for the node's loops;
+        the first is returned to the claiming loop (None when none is left to run)."""
+        plugin = registry.get(claim.plugin)
+        spec = plugin.Spec.model_validate(claim.spec)
+        limits = Limits(
+            max_turns=spec.max_turns,
+            max_tokens_per_turn=self.config.limits.max_tokens_per_turn,
+            max_tokens=self.config.limits.max_tokens,
+            temperature=self.config.limits.temperature,
+        )
+        todo = deque(s for s in claim.samples if s.status != "ready")
+        work = _Work(claim, plugin, spec, limits, todo)
+        lease = claim.lease
+        with self._work_cv:
+            self._active.add((lease.episode_id, lease.epoch))
+            self._group_hint = max(1, claim.group_size)
+            if not todo:
+                self._finish(work)
+                return None
+            first = todo.popleft()
+            work.running += 1
+            self._running += 1
+            if todo:
+                self._pending.append(work)
+                self._work_cv.notify_all()
+        return work, first
+
+    def _episode(self, claim: ClaimedEpisode, runner: ToolRunner) -> None:
+        """Roll out every sample of a claimed episode on the calling thread."""
+        job = self._admit(claim)
+        while job is not None:
+            work = job[0]
+            self._run_sample(*job, runner)
+            with self._work_cv:
+                if work.failed or not work.todo:
+                    return
+                job = (work, work.todo.popleft())
+                work.running += 1
+                self._running += 1
+
+    def _run_sample(self, work: _Work, sample: SampleState, runner: ToolRunner) -> None:
+        claim, lease = work.claim, work.claim.lease
+        try:
+            if sample.checkpoint is not None:
                 with self._lock:
-                    self.stats.samples_committed += 1
+                    self.stats.samples_resumed += 1
+            loop = AgentLoop(
+                self.engine, self.tokenizer, work.plugin, work.spec, claim.prompt, runner,
+                work.limits,
+            )  # fmt: skip
+            outcome = loop.run(
+                resume=sample.checkpoint,
+                on_turn=functools.partial(self._checkpoint, lease, sample.sample_index),
+            )
+            t = outcome.trajectory
+            info = {"turns": outcome.turns, "stop_reason": t.stop_reason, "answer": t.answer}
+            self.buffer.commit(lease, sample.sample_index, t.payload(), outcome.reward, info)
             with self._lock:
-                self.stats.episodes_committed += 1
+                self.stats.samples_committed += 1
         except (LeaseLost, StaleLeaseError):
-            with self._lock:
-                self.stats.episodes_abandoned += 1
+            self._fail(work, None)
         except Exception as e:  # a failure of this episode's rollout: give it back, counted
             log.exception("episode %s failed", lease.episode_id)
-            try:
-                self.buffer.release(lease, f"{type(e).__name__}: {e}")
-                with self._lock:
-                    self.stats.episodes_released += 1
-            except StaleLeaseError:
-                with self._lock:
-                    self.stats.episodes_abandoned += 1
+            self._fail(work, e)
         finally:
+            with self._work_cv:
+                work.running -= 1
+                self._running -= 1
+                if work.running == 0 and (work.failed or not work.todo):
+                    self._finish(work)
+                self._work_cv.notify_all()
+
+    def _fail(self, work: _Work, error: Exception | None) -> None:
+        """The episode's first failure: its other samples stop (at their next turn) and are
+        not started; the lease is released (an error: requeued, counted) or, when it moved on,
+        the work is abandoned."""
+        lease = work.claim.lease
+        with self._work_cv:
+            if work.failed:
+                return
+            work.failed = True
+            work.todo.clear()
+            self._lost.add((lease.episode_id, lease.epoch))
+        released = False
+        if error is not None:
+            try:
+                self.buffer.release(lease, f"{type(error).__name__}: {error}")
+                released = True
+            except StaleLeaseError:
+                pass
+        with self._lock:
+            if released:
+                self.stats.episodes_released += 1
+            else:
+                self.stats.episodes_abandoned += 1
+
+    def _finish(self, work: _Work) -> None:
+        """Called with ``_work_cv`` held when the episode's last sample is done."""
+        key = (work.claim.lease.episode_id, work.claim.lease.epoch)
+        if not work.failed:
             with self._lock:
-                self._active.discard(key)
-                self._lost.discard(key)
+                self.stats.episodes_committed += 1
+        with self._lock:
+            self._active.discard(key)
+            self._lost.discard(key)
 
     def _checkpoint(self, lease: Lease, sample_index: int, t: Trajectory) -> None:
         with self._lock:
@@ -245,7 +385,9 @@ class RolloutNode:
 
     def _sync_weights(self) -> None:
         """Load the job's latest published weights if they are newer than the engine's."""
-        published = self.buffer.published_weights()
+        self._load_if_newer(self.buffer.published_weights())
+
+    def _load_if_newer(self, published: tuple[int, str] | None) -> None:
         if published is None or published[0] <= self.engine.version:
             return
         with self._load_lock:

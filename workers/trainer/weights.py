@@ -4,12 +4,18 @@ Version v lives in ``ROOT/v{v:06d}/model.safetensors``. A version is written int
 temporary folder and renamed into place, so a reader sees a complete version or none. The last
 ``keep`` versions stay (a node may still be loading one); older ones are removed. On one machine
 ROOT is a local folder; across Ray nodes it must be shared storage (NFS, a mounted bucket).
+
+Both sides move each byte once: ``publish`` hands safetensors the tensors' memory (it writes
+from their pointers), and ``load_into`` reads the file straight into the model's parameters
+(``readinto`` at each tensor's offset) instead of building a state dict and copying it over.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +29,23 @@ def version_dir(root: Path, version: int) -> Path:
 def publish(state_dict: dict[str, Any], root: Path, version: int, *, keep: int = 3) -> str:
     from safetensors.torch import save_file
 
+    return publish_with(
+        lambda path: save_file(state_dict, str(path), metadata={"version": str(version)}),
+        root,
+        version,
+        keep=keep,
+    )
+
+
+def publish_with(write: Callable[[Path], None], root: Path, version: int, *, keep: int = 3) -> str:
+    """``publish`` for any writer: ``write(path)`` writes the weights file at ``path``."""
     root.mkdir(parents=True, exist_ok=True)
     final = version_dir(root, version)
     tmp = root / f".v{version:06d}.{os.getpid()}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file(state_dict, str(tmp / WEIGHTS_FILE), metadata={"version": str(version)})
+    write(tmp / WEIGHTS_FILE)
     if final.exists():  # a replayed step republishes its version
         shutil.rmtree(final)
     tmp.rename(final)
@@ -41,3 +57,66 @@ def publish(state_dict: dict[str, Any], root: Path, version: int, *, keep: int =
 
 def published_versions(root: Path) -> list[int]:
     return sorted(int(p.name[1:]) for p in root.glob("v*") if p.is_dir() and p.name[1:].isdigit())
+
+
+# safetensors dtype names -> torch dtype attribute names
+_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def read_header(f: Any) -> tuple[dict[str, Any], int]:
+    """A safetensors file's header (name -> dtype, shape, data offsets) and where data starts."""
+    size = int.from_bytes(f.read(8), "little")
+    header: dict[str, Any] = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
+def _readinto(f: Any, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done : done + _CHUNK_BYTES])
+        if not n:
+            raise OSError(f"{f.name}: the file ends before its tensors do")
+        done += n
+
+
+def load_into(model: Any, location: str | Path) -> None:
+    """Load a published version into ``model`` (a torch module) in place. A tensor whose dtype,
+    shape and device match its parameter is read straight into the parameter's memory; any
+    other goes through a temporary and ``copy_`` (a dtype or device change). Raises
+    ``ValueError`` naming the keys when the file does not fit the model (a key the model lacks,
+    or a parameter the file lacks other than a tied ``lm_head``), before changing anything;
+    ``OSError`` when the version is gone."""
+    import torch
+
+    path = Path(location) / WEIGHTS_FILE
+    targets = model.state_dict()  # detached tensors sharing the parameters' memory
+    with path.open("rb", buffering=0) as f:
+        header, base = read_header(f)
+        unexpected = sorted(k for k in header if k not in targets)
+        missing = sorted(k for k in targets if k not in header and "lm_head" not in k)
+        if unexpected or missing:
+            raise ValueError(f"{path} does not fit the model: {(unexpected + missing)[:5]}")
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            start, end = info["data_offsets"]
+            dst = targets[name]
+            dtype = getattr(torch, _DTYPES[info["dtype"]])
+            f.seek(base + start)
+            direct = (
+                dst.dtype == dtype
+                and list(dst.shape) == list(info["shape"])
+                and dst.device.type == "cpu"
+                and dst.is_contiguous()
+            )
+            if direct:
+                _readinto(f, memoryview(dst.view(torch.uint8).numpy()).cast("B"))
+                continue
+            buf = bytearray(end - start)
+            _readinto(f, memoryview(buf))
+            src = torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+            with torch.no_grad():
+                dst.copy_(src)

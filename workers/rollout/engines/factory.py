@@ -4,11 +4,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.config import EngineConfig, HFEngineConfig, VLLMEngineConfig
+from orchestrator.config import (
+    EngineConfig,
+    HFEngineConfig,
+    TimingEngineConfig,
+    VLLMEngineConfig,
+)
 from workers.rollout.engines.base import Engine
 
 
-def make_engine(config: EngineConfig, model_dir: str | Path, *, seed: int = 0) -> Engine:
+def make_engine(
+    config: EngineConfig, model_dir: str | Path, *, seed: int = 0, threads: int = 0
+) -> Engine:
+    """The configured engine. ``threads`` > 0 caps torch's CPU threads (engines on torch)."""
+    if isinstance(config, TimingEngineConfig):  # no torch: a benchmark's timing model
+        from workers.rollout.engines.timing import TimingEngine
+
+        return TimingEngine(config, model_dir, seed=seed)
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
     if isinstance(config, HFEngineConfig):
         from workers.rollout.engines.hf import HFEngine
 

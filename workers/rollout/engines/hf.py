@@ -219,14 +219,13 @@ class HFEngine:
             self.kv.put(KVEntry(fed_ids, kv), supersedes=matches[i][0] if extends[i] else None)
 
     def load_weights(self, version: int, location: str) -> None:
-        from safetensors.torch import load_file
+        from workers.trainer.weights import load_into
 
-        state = load_file(str(Path(location) / "model.safetensors"), device=str(self.device))
         with self._lock:
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
-            bad = [k for k in missing if "lm_head" not in k] + list(unexpected)
-            if bad:
-                raise ValueError(f"weights of version {version} do not fit the model: {bad[:5]}")
+            try:
+                load_into(self.model, location)  # the file's bytes into the parameters
+            except ValueError as e:
+                raise ValueError(f"weights of version {version} do not fit the model: {e}") from e
             self._version = version
             self.kv.clear()  # computed with the old weights
 

@@ -1,0 +1,19 @@
+"""The trainer the config names: the FSDP2 ranks, or a benchmark's timing model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from orchestrator.config import TrainerConfig
+
+
+def make_trainer(config: TrainerConfig, model_dir: str, **kwargs: Any) -> Any:
+    """A ``TrainerGroup`` (``trainer.timing_model`` unset) or a ``TimingTrainerGroup``; both
+    take the same arguments and offer the same methods to the job driver."""
+    if config.timing_model is not None:
+        from workers.trainer.timing import TimingTrainerGroup
+
+        return TimingTrainerGroup(config, model_dir, **kwargs)
+    from workers.trainer.group import TrainerGroup
+
+    return TrainerGroup(config, model_dir, **kwargs)
