@@ -6,7 +6,8 @@
 2. per-turn latency of 10-turn trajectories (a long tool observation after every turn, so
    the context grows), with the KV cache reused across turns vs the context prefilled again:
    one trajectory alone, and 16 generated as one batch (batched KV reuse: every row starts
-   from its own cached prefix).
+   from its own cached prefix), and the batch again with a KV store too small to hold it
+   (evicted rows prefill again on their own first, the others keep their caches).
 
 The model is the tiny local one (built into a temporary folder unless ``--model`` is given).
 
@@ -66,17 +67,26 @@ def run_loops(hf: HFEngine, loops: int, turns: int, tokens_per_turn: int) -> dic
 
 
 def kv_turns(
-    hf: HFEngine, turns: int, tokens_per_turn: int, reuse: bool, rows: int = 1
+    hf: HFEngine,
+    turns: int,
+    tokens_per_turn: int,
+    reuse: bool,
+    rows: int = 1,
+    cap: int | None = None,
 ) -> list[float]:
-    """Per-turn generate latency (s) of ``rows`` growing trajectories generated together."""
+    """Per-turn generate latency (s) of ``rows`` growing trajectories generated together;
+    ``cap``: the KV store's token budget for this run (default: the engine's)."""
     hf.kv_reuse = reuse
     hf.kv.clear()
+    default_cap = hf.kv.max_tokens
+    hf.kv.max_tokens = cap or default_cap
     tok = hf.tokenizer
     ctxs = [
         list(tok.encode(f"<|system|>\nTools: search, open\n<|user|>\nFind {i}.\n<|assistant|>\n"))
         for i in range(rows)
     ]
-    observation = list(tok.encode("\n<|tool|>\n" + "result line " * 60 + "\n<|assistant|>\n"))
+    # about 200 tokens: ten turns stay inside the tiny model's 4,096 positions
+    observation = list(tok.encode("\n<|tool|>\n" + "result line " * 24 + "\n<|assistant|>\n"))
     latencies = []
     for _ in range(turns):
         t0 = time.perf_counter()
@@ -84,7 +94,12 @@ def kv_turns(
         latencies.append(time.perf_counter() - t0)
         for c, gen in zip(ctxs, gens, strict=True):
             c += gen.token_ids + observation
+    hf.kv.max_tokens = default_cap
+    hf.kv.clear()
     return latencies
+
+
+SMALL_STORE = 16_384
 
 
 def main() -> None:
@@ -112,6 +127,11 @@ def main() -> None:
         prefill = kv_turns(hf, 10, 32, False)
         batch_reuse = kv_turns(hf, 10, 32, True, rows=16)
         batch_prefill = kv_turns(hf, 10, 32, False, rows=16)
+        # a store too small for the batch (16 x ~2,300 tokens by the last turn): the least
+        # recently used rows are evicted and prefill again, on their own (catch-up)
+        catch_ups = hf.catch_ups
+        batch_small = kv_turns(hf, 10, 32, True, rows=16, cap=SMALL_STORE)
+        catch_ups = hf.catch_ups - catch_ups
         hf.kv_reuse = True
     print(
         f"# rollout benchmark: hf engine on CPU, {params / 1e6:.2f}M-parameter model, "
@@ -134,6 +154,14 @@ def main() -> None:
         f"ms; last turn {1000 * batch_reuse[-1]:.1f} vs {1000 * batch_prefill[-1]:.1f} ms"
     )
     print(
+        f"the same with a {SMALL_STORE:,}-token KV store (rows evicted): mean "
+        f"{1000 * sum(batch_small) / 10:.1f} ms, last turn {1000 * batch_small[-1]:.1f} ms, "
+        f"{catch_ups} rows prefilled on their own"
+    )
+    for name, lat in (("kv reuse", batch_reuse), ("re-prefill", batch_prefill),
+                      ("small store", batch_small)):  # fmt: skip
+        print(f"  16-row per-turn ms, {name}: " + " ".join(f"{1000 * x:.0f}" for x in lat))
+    print(
         json.dumps(
             {
                 "bench": "rollout",
@@ -150,6 +178,13 @@ def main() -> None:
                 "batch16_turn_ms_reprefill": round(1000 * sum(batch_prefill) / 10, 2),
                 "batch16_last_turn_ms_kv_reuse": round(1000 * batch_reuse[-1], 2),
                 "batch16_last_turn_ms_reprefill": round(1000 * batch_prefill[-1], 2),
+                "batch16_turn_ms": {
+                    "kv_reuse": [round(1000 * x, 1) for x in batch_reuse],
+                    "reprefill": [round(1000 * x, 1) for x in batch_prefill],
+                    "small_store": [round(1000 * x, 1) for x in batch_small],
+                },
+                "small_store_tokens": SMALL_STORE,
+                "small_store_catch_ups": catch_ups,
             }
         )
     )

@@ -5,11 +5,12 @@ nothing but the work done."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from workers.rollout.engines.base import Generation, GenerationRequest
-from workers.rollout.engines.hf import HFEngine
+from workers.rollout.engines.hf import HFEngine, catch_up_width
 
 TEMPERATURE = 1.3
 
@@ -93,3 +94,51 @@ def test_new_weights_drop_the_caches(tiny_dir: Path, tmp_path: Path) -> None:
     save_file(state, str(tmp_path / "model.safetensors"))
     engine.load_weights(1, str(tmp_path))
     assert engine.version == 1 and len(engine.kv) == 0 and engine.kv.tokens == 0
+
+
+def test_catch_up_width_minimises_the_tokens_fed() -> None:
+    # one long row among short ones: the window is the short rows' longest
+    assert catch_up_width([10, 12, 9, 400], slack=32) == 12
+    # similar rows: no catch-up (the window is the longest)
+    assert catch_up_width([30, 40, 35, 45], slack=32) == 45
+    # half the batch long: still cheaper to prefill the long half first
+    assert catch_up_width([20, 20, 300, 300], slack=32) == 20
+    # a long tail that is not worth an extra pass
+    assert catch_up_width([100, 100, 100, 110], slack=32) == 110
+    assert catch_up_width([7], slack=32) == 7
+
+
+def test_a_new_long_context_does_not_widen_the_batch(tiny_dir: Path) -> None:
+    """Continuing trajectories (cached) batched with a new one whose whole long prompt is
+    uncached: the new row is prefilled on its own first, every row still gets exact log-probs
+    and the tokens fed are about each row's own uncached part, not B x the longest."""
+    engine = HFEngine(tiny_dir, seed=11)
+    contexts, _ = _play(engine, turns=2)
+    tok = engine.tokenizer
+    fresh = list(tok.encode("<|user|>\n" + "a long new question " * 20, add_special_tokens=False))
+    catch_ups = engine.catch_ups
+    fed: list[int] = []  # input positions of every multi-token forward pass (the prefills)
+
+    def count(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        ids = kwargs["input_ids"]
+        if ids.shape[1] > 1:
+            fed.append(ids.numel())
+
+    requests = [GenerationRequest(c, 5, TEMPERATURE) for c in [*contexts, fresh]]
+    hook = engine.model.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        gens = engine.generate(requests)
+    finally:
+        hook.remove()
+    assert engine.catch_ups == catch_ups + 1 and len(fed) == 2  # the catch-up, then the batch
+    assert gens[-1].cached_tokens == 0 and all(g.cached_tokens > 0 for g in gens[:-1])
+    uncached = [len(r.prompt_ids) - g.cached_tokens for r, g in zip(requests, gens, strict=True)]
+    assert sum(fed) < len(requests) * max(uncached) / 2  # one wide window would feed B x max
+    for r, g in zip(requests, gens, strict=True):
+        seq = list(r.prompt_ids) + g.token_ids
+        with torch.no_grad():
+            logits = engine.model(torch.tensor([seq])).logits[0].float() / TEMPERATURE
+        lp = torch.log_softmax(logits, dim=-1)  # [T, V]
+        n = len(r.prompt_ids)
+        for j, t in enumerate(g.token_ids):
+            assert abs(lp[n + j - 1, t].item() - g.logprobs[j]) < 1e-4

@@ -31,6 +31,26 @@ from workers.rollout.engines.base import EngineHealth, Generation, GenerationReq
 from workers.rollout.engines.kvstore import KVEntry, KVStore
 
 DEFAULT_KV_CACHE_TOKENS = 65_536
+Source = tuple[KVEntry | None, int]  # a row's cached prefix: the entry holding it, its length
+# The fixed cost of one more forward pass, in tokens per row (``catch_up_width``).
+CATCH_UP_SLACK = 32
+
+
+def catch_up_width(uncached: list[int], slack: int) -> int:
+    """The batch's suffix window when the rows with a longer uncached part are prefilled
+    first, chosen to minimise tokens fed: with the rows' uncached lengths sorted
+    u_1 <= ... <= u_B and a window of u_k, the batch feeds B x u_k and the catch-up pass
+    (B - k) x (u_B - u_k), plus ``slack`` x B for the extra pass; u_B means no catch-up."""
+    u = sorted(uncached)
+    rows, longest = len(u), u[-1]
+    best, best_cost = longest, rows * longest
+    for k in range(1, rows):
+        if u[k - 1] == longest:
+            break
+        cost = rows * u[k - 1] + (rows - k) * (longest - u[k - 1]) + slack * rows
+        if cost < best_cost:
+            best, best_cost = u[k - 1], cost
+    return best
 
 
 class HFEngine:
@@ -70,6 +90,7 @@ class HFEngine:
         self.cache_hits = 0  # requests that started from a cached prefix
         self.reused_tokens = 0  # context tokens not prefilled thanks to a cache
         self.prefilled_tokens = 0  # context tokens the forward pass computed
+        self.catch_ups = 0  # rows prefilled on their own before their batch (``_catch_up``)
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
 
@@ -102,24 +123,19 @@ class HFEngine:
             raise ValueError("a generation request needs at least one context token")
         lengths = [int(p.shape[0]) for p in prompts]
         matches = [self.kv.match(p) if self.kv_reuse else (None, 0) for p in prompts]
-        # The common suffix window: every row feeds its last S tokens (or all of them).
-        width = max(n - c for n, (_, c) in zip(lengths, matches, strict=True))
-        kept = [max(0, n - width) for n in lengths]  # cached tokens each row starts from
-        past = max(kept)
+        served = [c for _, c in matches]  # context tokens a cache held before this call
+        # where each row's cached prefix comes from: the store, or a catch-up prefill
+        sources = [(self.kv.get(k) if k is not None else None, c) for k, c in matches]
+        if self.kv_reuse and len(prompts) > 1:
+            sources = self._catch_up(prompts, sources)
+        mask, ids, cache, kept, past, _ = self._layout(prompts, sources)
         rows = len(requests)
-        mask = torch.zeros((rows, past + width), dtype=torch.long)  # [B, K+S]
-        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)  # [B, S]
-        for i, (p, k) in enumerate(zip(prompts, kept, strict=True)):
-            mask[i, past - k : past] = 1
-            tail = p[k:]
-            ids[i, width - tail.shape[0] :] = torch.from_numpy(tail)
-            mask[i, past + width - tail.shape[0] :] = 1
-        cache = self._assemble(matches, kept, past)
         # an entry that the new sequence extends (its ids are a prefix of the context)
         extends = [key is not None and reused == self.kv.get(key).length for key, reused in matches]
-        self.prefilled_tokens += sum(n - k for n, k in zip(lengths, kept, strict=True))
-        self.reused_tokens += sum(kept)
-        self.cache_hits += sum(1 for k in kept if k > 0)
+        reused = [min(k, c) for k, c in zip(kept, served, strict=True)]
+        self.prefilled_tokens += sum(n - r for n, r in zip(lengths, reused, strict=True))
+        self.reused_tokens += sum(reused)
+        self.cache_hits += sum(1 for r in reused if r > 0)
 
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, K+S]
         step_ids, step_pos = ids, positions[:, past:]
@@ -162,25 +178,78 @@ class HFEngine:
             mask = torch.cat([mask, fed], dim=-1)
 
         if self.kv_reuse and any(out_ids):
-            self._store(cache, mask, prompts, out_ids, matches, extends)
+            # each row's KV covers the tokens it fed: its context and every generated token
+            # but the last (a token is fed on the step after it is sampled)
+            fed_ids = [
+                np.concatenate([p, np.asarray(g[:-1], dtype=np.int64)])
+                for p, g in zip(prompts, out_ids, strict=True)
+            ]
+            self._store(cache, mask, fed_ids, matches, extends)
         gens = []
-        for toks, lps, k in zip(out_ids, out_lps, kept, strict=True):
+        for toks, lps, r in zip(out_ids, out_lps, reused, strict=True):
             reason = "stop" if toks and toks[-1] == self.eos_id else "length"
-            gens.append(Generation(toks, lps, reason, version, cached_tokens=k))
+            gens.append(Generation(toks, lps, reason, version, cached_tokens=r))
             self._tokens += len(toks)
         return gens
 
-    def _assemble(self, matches: list[tuple[int | None, int]], kept: list[int], past: int) -> Any:
+    def _layout(self, prompts: list[np.ndarray], sources: list[Source]) -> Any:
+        """The batch's first forward pass, right-aligned: the attention mask [B, K+S], the
+        suffix window's ids [B, S], the assembled cache of K positions, the cached tokens each
+        row starts from, K and S."""
+        torch = self._torch
+        lengths = [int(p.shape[0]) for p in prompts]
+        # The common suffix window: every row feeds its last S tokens (or all of them).
+        width = max(n - c for n, (_, c) in zip(lengths, sources, strict=True))
+        kept = [max(0, n - width) for n in lengths]  # cached tokens each row starts from
+        past = max(kept)
+        rows = len(prompts)
+        mask = torch.zeros((rows, past + width), dtype=torch.long)  # [B, K+S]
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)  # [B, S]
+        for i, (p, k) in enumerate(zip(prompts, kept, strict=True)):
+            mask[i, past - k : past] = 1
+            tail = p[k:]
+            ids[i, width - tail.shape[0] :] = torch.from_numpy(tail)
+            mask[i, past + width - tail.shape[0] :] = 1
+        return mask, ids, self._assemble(sources, kept, past), kept, past, width
+
+    def _catch_up(self, prompts: list[np.ndarray], sources: list[Source]) -> list[Source]:
+        """Keep a few long uncached contexts from widening the whole batch's window: rows
+        whose uncached part is much longer than the others' (new trajectories among
+        continuing ones, a row whose cache was evicted) first prefill all but the batch's
+        window together, on their own, so the batch does not feed B x the longest uncached
+        part (``catch_up_width`` picks the window). The prefilled KV goes straight into the
+        batch (not through the store, where it could evict the other rows' caches)."""
+        uncached = [int(p.shape[0]) - c for p, (_, c) in zip(prompts, sources, strict=True)]
+        width = catch_up_width(uncached, CATCH_UP_SLACK)
+        late = [i for i, u in enumerate(uncached) if u > width]
+        if not late:
+            return sources
+        heads = [prompts[i][: prompts[i].shape[0] - width] for i in late]
+        mask, ids, cache, _, past, _ = self._layout(heads, [sources[i] for i in late])
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B', K+S]
+        dev = self.device
+        self.model(
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=positions[:, past:].to(dev),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.catch_ups += len(late)
+        out = list(sources)
+        for j, i in enumerate(late):
+            out[i] = (self._row_entry(cache, mask, j, heads[j]), int(heads[j].shape[0]))
+        return out
+
+    def _assemble(self, sources: list[Source], kept: list[int], past: int) -> Any:
         """A batch cache of ``past`` positions: row i's first ``kept[i]`` cached tokens,
         right-aligned (left-padded with zeros that the attention mask hides)."""
         torch = self._torch
         if past == 0:
             return self._DynamicCache(config=self.model.config)
-        rows = len(matches)
-        entries = [
-            self.kv.get(key) if key is not None and k else None
-            for (key, _), k in zip(matches, kept, strict=True)
-        ]
+        rows = len(sources)
+        entries = [e if k else None for (e, _), k in zip(sources, kept, strict=True)]
         template = next(e for e in entries if e is not None)
         layers = []
         for layer, (k0, v0) in enumerate(template.kv):
@@ -196,27 +265,31 @@ class HFEngine:
             layers.append((keys, values))
         return self._DynamicCache(ddp_cache_data=layers, config=self.model.config)
 
+    def _row_entry(self, cache: Any, mask: Any, row: int, fed_ids: np.ndarray) -> KVEntry:
+        """Row ``row``'s KV out of a batch cache, for the tokens it fed (``fed_ids``)."""
+        torch = self._torch
+        columns = torch.nonzero(mask[row], as_tuple=True)[0]  # [L]
+        if columns.shape[0] != fed_ids.shape[0]:  # pragma: no cover - an engine bug
+            raise AssertionError("the batch cache does not cover the row's tokens")
+        columns = columns.to(self.device)
+        kv = [
+            (layer.keys[row].index_select(1, columns), layer.values[row].index_select(1, columns))
+            for layer in cache.layers
+        ]
+        return KVEntry(fed_ids, kv)
+
     def _store(
         self,
         cache: Any,
         mask: Any,
-        prompts: list[np.ndarray],
-        generated: list[list[int]],
+        fed: list[np.ndarray],
         matches: list[tuple[int | None, int]],
         extends: list[bool],
     ) -> None:
-        """Keep each row's KV for the tokens it fed: its context and every generated token
-        but the last (a token is fed on the step after it is sampled)."""
-        torch = self._torch
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
-        for i, (p, g) in enumerate(zip(prompts, generated, strict=True)):
-            fed_ids = np.concatenate([p, np.asarray(g[:-1], dtype=np.int64)])
-            columns = torch.nonzero(mask[i], as_tuple=True)[0]  # [L]
-            if columns.shape[0] != fed_ids.shape[0]:  # pragma: no cover - an engine bug
-                raise AssertionError("the batch cache does not cover the row's tokens")
-            columns = columns.to(self.device)
-            kv = [(k[i].index_select(1, columns), v[i].index_select(1, columns)) for k, v in layers]
-            self.kv.put(KVEntry(fed_ids, kv), supersedes=matches[i][0] if extends[i] else None)
+        """Keep each row's KV for the tokens it fed (``fed[i]``, in order)."""
+        for i, fed_ids in enumerate(fed):
+            entry = self._row_entry(cache, mask, i, fed_ids)
+            self.kv.put(entry, supersedes=matches[i][0] if extends[i] else None)
 
     def load_weights(self, version: int, location: str) -> None:
         from workers.trainer.weights import load_into
