@@ -310,6 +310,10 @@ class JobDriver:
         from apscheduler.schedulers.background import BackgroundScheduler
 
         cp = self.cfg.control_plane
+        # A pass that overlaps the previous one of the same job is skipped by design
+        # (max_instances=1: e.g. supervision while a node starts); APScheduler warns about
+        # each skip, which is noise here.
+        logging.getLogger("apscheduler.scheduler").addFilter(SKIPPED_RUN_FILTER)  # once
         s = BackgroundScheduler(daemon=True)
         jobs = [
             (self.buffer.seed, cp.seed_interval_s, "seed"),
@@ -594,3 +598,14 @@ def _is_trainer_failure(e: BaseException) -> bool:
     from workers.trainer.group import TrainerTimeoutError
 
     return isinstance(e, ray.exceptions.RayError | TrainerTimeoutError)
+
+
+class _SkippedRunFilter(logging.Filter):
+    """Drops APScheduler's warning that a run was skipped because the previous one of the same
+    job is still running; everything else it logs passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "maximum number of running instances reached" not in record.getMessage()
+
+
+SKIPPED_RUN_FILTER = _SkippedRunFilter()
