@@ -14,7 +14,8 @@ node takes to notice a new version, up to one heartbeat, is not part of this fig
 The bound is the same bytes moved by plain file IO on the same file system: one sequential
 write of every tensor's memory into a file, then every node reading that file into its
 parameters' memory (``readinto``) concurrently. Both sides run in the page cache (no fsync;
-neither does the publisher), which is where a freshly written file is read from on one machine.
+neither does the publisher), which is where a freshly written file is read from on one machine;
+dirty pages are flushed (``os.sync``) before each of the two writes, outside the timings.
 
 Usage: python ops/bench/weight_sync.py [--sizes 10,50,100,250,500] [--nodes 4] [--repeats 3]
 Prints a table, then (last line) one JSON object with the figures.
@@ -147,6 +148,7 @@ def measure(params: int, nodes: int, repeats: int, root: Path) -> dict[str, Any]
     runs = []
     for r in range(repeats):
         version = r + 1
+        os.sync()  # both writes start with no dirty pages left over (the kernel would throttle)
         t0 = time.perf_counter()
         location = publish(sd, root / "weights", version, keep=2)
         t1 = time.perf_counter()
@@ -154,6 +156,8 @@ def measure(params: int, nodes: int, repeats: int, root: Path) -> dict[str, Any]
         t2 = time.perf_counter()
         old = ray.get([a.load_state_dict.remote(location) for a in actors])
         raw = root / "raw.bin"
+        os.sync()
+        tw = time.perf_counter()
         w = raw_write(sd, raw)
         t3 = time.perf_counter()
         reads = ray.get([a.raw_read.remote(str(raw)) for a in actors])
@@ -169,7 +173,7 @@ def measure(params: int, nodes: int, repeats: int, root: Path) -> dict[str, Any]
                 "total_state_dict_s": (t1 - t0) + max(old),
                 "raw_write_s": w,
                 "raw_read_s_max": max(reads),
-                "bound_s": (t3 - t2) + (t4 - t3),
+                "bound_s": (t3 - tw) + (t4 - t3),  # the raw write, then the nodes' reads
             }
         )
     expected = float(sum(t.float().sum() for t in sd.values()))
@@ -212,7 +216,10 @@ def main() -> None:
             "raw read s | bound s | total/bound | load_state_dict s | its total/bound | load"
         )
         for size in (int(x) for x in args.sizes.split(",")):
-            r = measure(size * 1_000_000, args.nodes, args.repeats, root)
+            # each size publishes versions 1, 2, ... into its own folder (a version older
+            # than those already there would be pruned as soon as it is published)
+            r = measure(size * 1_000_000, args.nodes, args.repeats, root / f"{size}m")
+            shutil.rmtree(root / f"{size}m", ignore_errors=True)
             r["load"] = [round(x, 2) for x in os.getloadavg()]
             rows.append(r)
             print(
