@@ -352,12 +352,15 @@ class RolloutNode:
             work.todo.clear()
             self._lost.add((lease.episode_id, lease.epoch))
         released = False
-        if error is not None:
-            try:
-                self.buffer.release(lease, f"{type(error).__name__}: {error}")
-                released = True
-            except StaleLeaseError:
-                pass
+        # An error: the episode goes back to the queue, counted as an attempt. A lost lease:
+        # normally it has moved on and the release is refused; if this node still holds it
+        # after all, releasing it keeps a live node from renewing a lease it will never use.
+        reason = f"{type(error).__name__}: {error}" if error is not None else "lease lost"
+        try:
+            self.buffer.release(lease, reason)
+            released = error is not None
+        except StaleLeaseError:
+            pass
         with self._lock:
             if released:
                 self.stats.episodes_released += 1
@@ -408,13 +411,15 @@ class RolloutNode:
 
     def _beat_once(self) -> None:
         tokens = self.base_engine.health().tokens_generated
+        with self._lock:  # only episodes admitted before the beat's query can be missing from it
+            before = set(self._active)
         alive, leases = self.buffer.beat(
             self.worker.id, tokens - self._reported_tokens, loaded_version=self.engine.version
         )
         held = set(leases)
         self._reported_tokens = tokens
         with self._lock:
-            self._lost |= {k for k in self._active if k not in held}
+            self._lost |= {k for k in before & self._active if k not in held}
         if not alive:  # declared dead (e.g. after a hang): stop; a new incarnation takes over
             log.warning("worker %s was declared dead; stopping", self.worker.id)
             self.declared_dead = True
