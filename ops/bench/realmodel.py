@@ -77,8 +77,13 @@ def figures(run_dir: Path, warmup: int) -> dict[str, Any]:
         "step_s": span / len(window),
         "staleness_mean": sum(r["staleness_mean"] for r in window) / len(window),
         "staleness_max": max(r["staleness_max"] for r in window),
-        "expired_groups": sum(int(r.get("expired_groups", 0)) for r in window),
+        "expired_groups": sum(_count(r.get("expired_groups", 0)) for r in window),
     }
+
+
+def _count(v: Any) -> int:
+    """A count, or the sum of a per-task dict of counts."""
+    return sum(int(x) for x in v.values()) if isinstance(v, dict) else int(v)
 
 
 def main() -> None:
@@ -91,6 +96,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="more dotted.key=value config overrides")
     args = ap.parse_args()
     home = args.home or Path(tempfile.mkdtemp(prefix="rc-realmodel-", dir="/tmp"))
+    home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     load_start = [round(x, 2) for x in os.getloadavg()]
     try:
