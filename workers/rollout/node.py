@@ -361,6 +361,10 @@ class RolloutNode:
             released = error is not None
         except StaleLeaseError:
             pass
+        except Exception:  # the database is away: a lost lease is swept like any other
+            if error is not None:
+                raise
+            log.warning("could not release lost episode %s", lease.episode_id, exc_info=True)
         with self._lock:
             if released:
                 self.stats.episodes_released += 1
