@@ -117,7 +117,6 @@ class HFEngine:
         self, requests: list[GenerationRequest], temperature: float, version: int
     ) -> list[Generation]:
         torch = self._torch
-        dev = self.device
         prompts = [np.asarray(r.prompt_ids, dtype=np.int64) for r in requests]
         if any(p.shape[0] == 0 for p in prompts):
             raise ValueError("a generation request needs at least one context token")
@@ -128,7 +127,7 @@ class HFEngine:
         sources = [(self.kv.get(k) if k is not None else None, c) for k, c in matches]
         if self.kv_reuse and len(prompts) > 1:
             sources = self._catch_up(prompts, sources)
-        mask, ids, cache, kept, past, _ = self._layout(prompts, sources)
+        mask, ids, step_pos, cache, kept = self._layout(prompts, sources)
         rows = len(requests)
         # an entry that the new sequence extends (its ids are a prefix of the context)
         extends = [key is not None and reused == self.kv.get(key).length for key, reused in matches]
@@ -137,22 +136,14 @@ class HFEngine:
         self.reused_tokens += sum(reused)
         self.cache_hits += sum(1 for r in reused if r > 0)
 
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, K+S]
-        step_ids, step_pos = ids, positions[:, past:]
+        step_ids = ids
         next_pos = torch.tensor(lengths, dtype=torch.long)  # [B]
         limits = [r.max_new_tokens for r in requests]
         out_ids: list[list[int]] = [[] for _ in requests]
         out_lps: list[list[float]] = [[] for _ in requests]
         active = [limit > 0 for limit in limits]
         while any(active):
-            out = self.model(
-                input_ids=step_ids.to(dev),
-                attention_mask=mask.to(dev),
-                position_ids=step_pos.to(dev),
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            out = self._forward(step_ids, mask, step_pos, cache)
             # the cache grew in place by the fed tokens
             logits = out.logits[:, -1, :].float() / temperature  # [B, V]
             logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
@@ -194,8 +185,9 @@ class HFEngine:
 
     def _layout(self, prompts: list[np.ndarray], sources: list[Source]) -> Any:
         """The batch's first forward pass, right-aligned: the attention mask [B, K+S], the
-        suffix window's ids [B, S], the assembled cache of K positions, the cached tokens each
-        row starts from, K and S."""
+        suffix window's ids and positions [B, S], the assembled cache of K positions and the
+        cached tokens each row starts from. Positions come from each row's own token count,
+        so left padding never shifts them."""
         torch = self._torch
         lengths = [int(p.shape[0]) for p in prompts]
         # The common suffix window: every row feeds its last S tokens (or all of them).
@@ -210,7 +202,21 @@ class HFEngine:
             tail = p[k:]
             ids[i, width - tail.shape[0] :] = torch.from_numpy(tail)
             mask[i, past + width - tail.shape[0] :] = 1
-        return mask, ids, self._assemble(sources, kept, past), kept, past, width
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]  # [B, S]
+        return mask, ids, positions, self._assemble(sources, kept, past), kept
+
+    def _forward(self, ids: Any, mask: Any, positions: Any, cache: Any) -> Any:
+        """One forward pass that feeds ``ids`` into ``cache`` (grown in place); only the last
+        position's logits are computed."""
+        dev = self.device
+        return self.model(
+            input_ids=ids.to(dev),
+            attention_mask=mask.to(dev),
+            position_ids=positions.to(dev),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
 
     def _catch_up(self, prompts: list[np.ndarray], sources: list[Source]) -> list[Source]:
         """Keep a few long uncached contexts from widening the whole batch's window: rows
@@ -225,17 +231,8 @@ class HFEngine:
         if not late:
             return sources
         heads = [prompts[i][: prompts[i].shape[0] - width] for i in late]
-        mask, ids, cache, _, past, _ = self._layout(heads, [sources[i] for i in late])
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B', K+S]
-        dev = self.device
-        self.model(
-            input_ids=ids.to(dev),
-            attention_mask=mask.to(dev),
-            position_ids=positions[:, past:].to(dev),
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        mask, ids, positions, cache, _ = self._layout(heads, [sources[i] for i in late])
+        self._forward(ids, mask, positions, cache)
         self.catch_ups += len(late)
         out = list(sources)
         for j, i in enumerate(late):
