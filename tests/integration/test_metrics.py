@@ -299,14 +299,16 @@ def test_metrics_scraped_during_a_short_job(
     assert value(last, "rollcall_node_tokens_generated_total", node="rollout-0") > value(
         first, "rollcall_node_tokens_generated_total", node="rollout-0"
     )
-    assert value(last, "rollcall_trainer_step_seconds_count") >= 2
+    # cumulative trainer timings: the final collection has every step (the last scrape with the
+    # node up can come before the exporter saw the second step when steps finish back to back)
+    assert value(series[-1], "rollcall_trainer_step_seconds_count") >= 2
     assert value(last, "rollcall_node_up", node="trainer-0", role="trainer") == 1
     assert value(series[-1], "rollcall_node_up", node="rollout-0", role="rollout") == 0
     # the rollout node loaded new weights after the steps, and reported the latency (reports
     # arrive a collection late: the final scrape has the node's last one)
     assert value(series[-1], "rollcall_weight_load_seconds_count", node="rollout-0") >= 1
     assert value(series[-1], "rollcall_weight_load_seconds_sum", node="rollout-0") > 0
-    assert value(last, "rollcall_weight_publish_seconds_count") >= 2
+    assert value(series[-1], "rollcall_weight_publish_seconds_count") >= 2
     # status during the job: running, and it names the endpoint
     assert statuses and statuses[0]["job"]["running"] is True
     assert statuses[0]["job"]["metrics_url"] == url
