@@ -25,6 +25,7 @@ Every episode ends in exactly one of: consumed by a step (``done`` + ``consumed_
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from typing import Any
 from orchestrator.buffer.timings import OpTimings, timed
 from orchestrator.buffer.types import (
     Batch,
+    BatchTrajectory,
     ClaimedEpisode,
     CommitResult,
     Lease,
@@ -42,6 +44,7 @@ from orchestrator.buffer.types import (
 )
 from orchestrator.config import BufferConfig
 from orchestrator.db.engine import Database, Tx
+from orchestrator.db.repos.batches import TaskQuotaRow
 from orchestrator.db.repos.episodes import LeasedRow
 from orchestrator.db.repos.workers import WorkerView
 from orchestrator.db.retry import retry_transient
@@ -87,6 +90,10 @@ class Buffer:
         self._last_dead_sweep: Any = None
         self._plugins = plugins
         self.timings = OpTimings()  # wall and CPU time of each operation (control-plane cost)
+        # Samples of finished groups read ahead of their claim (``prefetch_groups``), by
+        # episode id; a finished group's samples never change, only their status does.
+        self._prefetched: dict[int, tuple[BatchTrajectory, ...]] = {}
+        self._prefetch_lock = threading.Lock()
 
     # -- control plane ------------------------------------------------------------------------
 
@@ -364,6 +371,8 @@ class Buffer:
             )
             if outcome == "stale":
                 tx.episodes.bump_task_counter(lease.task_id, "fenced_rejections")
+            elif done:
+                tx.batches.notify_group_done(self.job_id)
         if outcome == "stale":
             raise StaleLeaseError(lease.episode_id, lease.epoch, _MOVED_ON)
         written = (sample_index,) if outcome == "written" and reward is not None else ()
@@ -386,6 +395,8 @@ class Buffer:
                     samples=samples,
                 )
                 done = tx.episodes.complete_if_whole(row.task_id, lease.episode_id)
+                if done:
+                    tx.batches.notify_group_done(self.job_id)
                 indexes = [s[0] for s in samples]
                 return CommitResult(
                     committed=tuple(i for i in indexes if i in written),
@@ -430,8 +441,12 @@ class Buffer:
             job = tx.batches.job_state(self.job_id)
             return self._expire(tx, job.policy_version)
 
-    def _expire(self, tx: Tx, policy_version: int) -> dict[str, int]:
-        names = {t.id: t.name for t in tx.batches.trainable_tasks(self.job_id)}
+    def _expire(
+        self, tx: Tx, policy_version: int, tasks: Sequence[TaskQuotaRow] | None = None
+    ) -> dict[str, int]:
+        if tasks is None:
+            tasks = tx.batches.trainable_tasks(self.job_id)
+        names = {t.id: t.name for t in tasks}
         expired = Counter(
             e.task_id for e in tx.batches.expire_stale_groups(self.job_id, policy_version)
         )
@@ -456,12 +471,13 @@ class Buffer:
             reserved = tx.batches.reserved_groups(self.job_id, step)
             if reserved:
                 tx.batches.mark_claimed(self.job_id, step)
-                groups = tx.batches.load_groups(reserved)
+                ahead = self._take_prefetched(reserved)
+                groups = tx.batches.load_groups(reserved, ahead)
                 mix = job.pending_mix if job.pending_step == step and job.pending_mix else {}
-                return Batch(step, job.policy_version, tuple(groups), mix, True, {})
+                return Batch(step, job.policy_version, tuple(groups), mix, True, {}, len(ahead))
 
             tasks = tx.batches.trainable_tasks(self.job_id)
-            expired_by_task = self._expire(tx, job.policy_version)
+            expired_by_task = self._expire(tx, job.policy_version, tasks)
             expired = {t.id: expired_by_task.get(t.name, 0) for t in tasks}
 
             available = tx.batches.available_groups(self.job_id, job.policy_version)
@@ -476,13 +492,12 @@ class Buffer:
             )
             if sum(alloc.groups.values()) < min_groups:
                 return Batch(step, job.policy_version, (), {}, False, expired_by_task)
-            ids: list[int] = []
             by_id = {t.id: t for t in tasks}
-            for task_id, n in sorted(alloc.groups.items()):
-                t = by_id[task_id]
-                ids += tx.batches.reserve_groups(
-                    task_id, n, step, job.policy_version, t.max_staleness
-                )
+            ids = tx.batches.reserve_groups(
+                step,
+                job.policy_version,
+                [(t, n, by_id[t].max_staleness) for t, n in sorted(alloc.groups.items()) if n > 0],
+            )
             mix = {
                 str(t.id): {
                     "name": t.name,
@@ -498,8 +513,36 @@ class Buffer:
             if ids:
                 tx.batches.mark_claimed(self.job_id, step)
                 tx.batches.set_pending(self.job_id, step, mix)
-            groups = tx.batches.load_groups(ids)
-            return Batch(step, job.policy_version, tuple(groups), mix, False, expired_by_task)
+            ahead = self._take_prefetched(ids)
+            groups = tx.batches.load_groups(ids, ahead)
+            return Batch(
+                step, job.policy_version, tuple(groups), mix, False, expired_by_task, len(ahead)
+            )
+
+    @timed
+    @retry_transient
+    def prefetch_groups(self, limit: int) -> int:
+        """Read the samples of up to ``limit`` finished, unreserved groups (the oldest first)
+        ahead of the claim that will take them, so that ``claim_batch`` does not read them on
+        the trainer's critical path. Forgets groups that left the pool (claimed, expired).
+        Returns the number of groups read now."""
+        with self.db.transaction() as tx:
+            ready = tx.batches.ready_groups(self.job_id, limit)
+            with self._prefetch_lock:
+                keep = {e for e, _ in ready}
+                for e in [e for e in self._prefetched if e not in keep]:
+                    del self._prefetched[e]
+                missing = [(e, t) for e, t in ready if e not in self._prefetched]
+            loaded = tx.batches.load_trajectories(missing)
+        with self._prefetch_lock:
+            self._prefetched.update(loaded)
+        return len(loaded)
+
+    def _take_prefetched(
+        self, episode_ids: Sequence[int]
+    ) -> dict[int, tuple[BatchTrajectory, ...]]:
+        with self._prefetch_lock:
+            return {e: self._prefetched.pop(e) for e in episode_ids if e in self._prefetched}
 
     @timed
     @retry_transient

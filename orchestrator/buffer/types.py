@@ -208,6 +208,7 @@ class Batch:
     task_mix: dict[str, Any]  # per task: groups, target share, carry, shortfall
     replayed: bool  # the same batch as an earlier, uncommitted claim for this step
     expired_groups: dict[str, int]  # per task: groups expired (stale) while claiming
+    prefetched_groups: int = 0  # groups whose samples were read ahead (Buffer.prefetch_groups)
 
     @property
     def num_trajectories(self) -> int:

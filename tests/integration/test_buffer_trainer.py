@@ -353,3 +353,39 @@ def test_retire_expires_untrained_groups_and_waits_for_the_trainer(
     assert scalar(engine, "SELECT expired_groups FROM tasks WHERE id = :t", t=ids["a"]) == 6
     payload = scalar(engine, "SELECT payload FROM events WHERE kind = 'task.retired'")
     assert payload["expired_groups"] == 6
+
+
+def test_groups_read_ahead_serve_the_claim_unchanged(db: Database, engine: sa.Engine) -> None:
+    add_tasks(db, {"name": "a", "group_size": 2, "max_staleness": 0, "max_inflight": 8})
+    buf = make_buffer(db, batch_groups=2)
+    buf.seed()  # admission cap: 2 groups
+    w = buf.register_worker("r0")
+    drain_queue(buf, w.id, version=0)
+    assert buf.prefetch_groups(limit=1) == 1  # the oldest finished group
+    assert buf.prefetch_groups(limit=2) == 1  # only the one not read yet
+    assert buf.prefetch_groups(limit=2) == 0
+    batch = buf.claim_batch(0)
+    assert batch.prefetched_groups == 2 and batch.num_trajectories == 4
+    # The same groups read by another process's buffer, straight from the database.
+    fresh = make_buffer(db, batch_groups=2)
+    again = fresh.claim_batch(0)  # the reserved batch, replayed
+    assert again.replayed and again.prefetched_groups == 0
+    for g, h in zip(batch.groups, again.groups, strict=True):
+        assert g.episode_id == h.episode_id
+        for t, u in zip(g.trajectories, h.trajectories, strict=True):
+            assert t.sample_index == u.sample_index and t.reward == u.reward
+            assert t.payload.same_as(u.payload)
+    buf.commit_step(0)
+
+    # A group read ahead that expires (too stale for the new version) is forgotten and
+    # never trained on; the claim reads what it takes that was not read ahead.
+    buf.seed()
+    drain_queue(buf, w.id, version=0)  # behaviour version 0: stale at version 1
+    assert buf.prefetch_groups(limit=4) == 2
+    assert buf.expire_stale() == {"a": 2}
+    assert buf.prefetch_groups(limit=4) == 0 and not buf._prefetched
+    buf.seed()
+    drain_queue(buf, w.id, version=1)
+    batch = buf.claim_batch(1)
+    assert batch.prefetched_groups == 0 and len(batch.groups) == 2
+    assert {g.min_policy_version for g in batch.groups} == {1}

@@ -15,7 +15,7 @@ Guarantees (with ``orchestrator.buffer``):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ from sqlalchemy.sql.expression import bindparam
 
 from orchestrator.buffer.types import BatchGroup, BatchTrajectory, TrajectoryPayload
 from orchestrator.db.models import Trajectory
+from orchestrator.db.notify import groups_channel
 
 _BATCH_LOCK_NS = 0x524F4C4C  # "ROLL": namespace of the advisory lock per job
 
@@ -106,6 +107,11 @@ class BatchRepository:
         ).one_or_none()
         return _step(row) if row else None
 
+    def notify_group_done(self, job_id: int) -> None:
+        """Wake the job's trainer loop if it waits for a full batch (``orchestrator.db.notify``;
+        delivered when this transaction commits)."""
+        self.session.execute(text("SELECT pg_notify(:c, '')"), {"c": groups_channel(job_id)})
+
     # -- expiry ------------------------------------------------------------------------------
 
     def expire_stale_groups(self, job_id: int, policy_version: int) -> list[Any]:
@@ -179,29 +185,42 @@ class BatchRepository:
         return {r[0]: int(r[1]) for r in rows}
 
     def reserve_groups(
-        self, task_id: int, count: int, step: int, policy_version: int, max_staleness: int
+        self, step: int, policy_version: int, wanted: Sequence[tuple[int, int, int]]
     ) -> list[int]:
-        """Reserve the task's ``count`` oldest eligible groups for ``step``."""
-        ids = list(
+        """Reserve for ``step``, per (task id, count, max_staleness) in ``wanted``, the
+        task's ``count`` oldest eligible groups, in one statement. Returns their ids."""
+        if not wanted:
+            return []
+        return list(
             self.session.scalars(
                 text(
                     """
-                    SELECT id FROM episodes
-                    WHERE task_id = :t AND status = 'done' AND consumed_step IS NULL
-                      AND claimed_step IS NULL AND min_policy_version >= :v - :k
-                    ORDER BY min_policy_version, finished_at, id
-                    LIMIT :n FOR UPDATE SKIP LOCKED
+                    WITH picked AS (
+                        SELECT p.id
+                        FROM unnest(CAST(:tasks AS bigint[]), CAST(:counts AS int[]),
+                                    CAST(:bounds AS int[])) AS w(task_id, n, k)
+                        CROSS JOIN LATERAL (
+                            SELECT e.id FROM episodes e
+                            WHERE e.task_id = w.task_id AND e.status = 'done'
+                              AND e.consumed_step IS NULL AND e.claimed_step IS NULL
+                              AND e.min_policy_version >= :v - w.k
+                            ORDER BY e.min_policy_version, e.finished_at, e.id
+                            LIMIT w.n FOR UPDATE SKIP LOCKED
+                        ) p
+                    )
+                    UPDATE episodes SET claimed_step = :s FROM picked
+                    WHERE episodes.id = picked.id RETURNING episodes.id
                     """
                 ),
-                {"t": task_id, "v": policy_version, "k": max_staleness, "n": count},
+                {
+                    "tasks": [t for t, _, _ in wanted],
+                    "counts": [n for _, n, _ in wanted],
+                    "bounds": [k for _, _, k in wanted],
+                    "v": policy_version,
+                    "s": step,
+                },
             )
         )
-        if ids:
-            self.session.execute(
-                text("UPDATE episodes SET claimed_step = :s WHERE id = ANY(:ids)"),
-                {"s": step, "ids": ids},
-            )
-        return ids
 
     def mark_claimed(self, job_id: int, step: int) -> int:
         """Trajectories of the step's reserved groups become ``claimed``."""
@@ -227,21 +246,34 @@ class BatchRepository:
             {"j": job_id, "s": step, "m": mix},
         )
 
-    def load_groups(self, episode_ids: Sequence[int]) -> list[BatchGroup]:
-        if not episode_ids:
-            return []
-        eps = self.session.execute(
+    def ready_groups(self, job_id: int, limit: int) -> list[tuple[int, int]]:
+        """(episode id, task id) of finished groups no step has reserved yet, the oldest
+        first (about the order claims take them in): what the next batches are made of."""
+        rows = self.session.execute(
             text(
-                "SELECT e.id, e.task_id, t.name, e.prompt, e.min_policy_version FROM episodes e "
-                "JOIN tasks t ON t.id = e.task_id WHERE e.id = ANY(:ids) ORDER BY e.id"
+                """
+                SELECT e.id, e.task_id FROM episodes e JOIN tasks t ON t.id = e.task_id
+                WHERE t.job_id = :j AND e.status = 'done' AND e.consumed_step IS NULL
+                  AND e.claimed_step IS NULL
+                ORDER BY e.min_policy_version, e.finished_at, e.id LIMIT :n
+                """
             ),
-            {"ids": list(episode_ids)},
+            {"j": job_id, "n": limit},
         ).all()
+        return [(int(r[0]), int(r[1])) for r in rows]
+
+    def load_trajectories(
+        self, episodes: Sequence[tuple[int, int]]
+    ) -> dict[int, tuple[BatchTrajectory, ...]]:
+        """The committed samples of finished groups, given as (episode id, task id), by
+        episode id in sample order."""
+        if not episodes:
+            return {}
         trajs = self.session.scalars(
             select(Trajectory)
             .where(
-                Trajectory.task_id.in_(sorted({e.task_id for e in eps})),
-                Trajectory.episode_id.in_([e.id for e in eps]),
+                Trajectory.task_id.in_(sorted({t for _, t in episodes})),
+                Trajectory.episode_id.in_([e for e, _ in episodes]),
                 Trajectory.status.in_(["claimed", "ready"]),
             )
             .order_by(Trajectory.episode_id, Trajectory.sample_index)
@@ -252,6 +284,29 @@ class BatchRepository:
             by_episode.setdefault(t.episode_id, []).append(
                 BatchTrajectory(t.sample_index, TrajectoryPayload.from_columns(t), t.reward)
             )
+        return {e: tuple(ts) for e, ts in by_episode.items()}
+
+    def load_groups(
+        self,
+        episode_ids: Sequence[int],
+        loaded: Mapping[int, tuple[BatchTrajectory, ...]] | None = None,
+    ) -> list[BatchGroup]:
+        """The groups with their samples; those in ``loaded`` (read earlier: a finished
+        group's samples do not change) are not read again."""
+        if not episode_ids:
+            return []
+        eps = self.session.execute(
+            text(
+                "SELECT e.id, e.task_id, t.name, e.prompt, e.min_policy_version FROM episodes e "
+                "JOIN tasks t ON t.id = e.task_id WHERE e.id = ANY(:ids) ORDER BY e.id"
+            ),
+            {"ids": list(episode_ids)},
+        ).all()
+        loaded = loaded or {}
+        samples = dict(loaded)
+        samples.update(
+            self.load_trajectories([(e.id, e.task_id) for e in eps if e.id not in loaded])
+        )
         return [
             BatchGroup(
                 episode_id=e.id,
@@ -259,7 +314,7 @@ class BatchRepository:
                 task_name=e.name,
                 prompt=dict(e.prompt),
                 min_policy_version=e.min_policy_version,
-                trajectories=tuple(by_episode.get(e.id, [])),
+                trajectories=samples.get(e.id, ()),
             )
             for e in eps
         ]

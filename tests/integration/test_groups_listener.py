@@ -1,0 +1,65 @@
+"""The trainer loop's wake-up: a completed group notifies the job's channel (LISTEN/NOTIFY)."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from orchestrator.db.engine import Database
+from orchestrator.db.notify import GroupsListener
+from tests.integration.buffer_helpers import add_tasks, make_buffer, payload
+
+
+def test_a_completed_group_wakes_the_jobs_listener_and_no_other(
+    db: Database, engine: sa.Engine
+) -> None:
+    add_tasks(db, {"name": "a", "group_size": 2})
+    buf = make_buffer(db, batch_groups=2)
+    buf.seed()
+    w = buf.register_worker("r0")
+    ours, other = GroupsListener(db.url, 1), GroupsListener(db.url, 2)
+    try:
+        assert not ours.wait(0.05) and not other.wait(0.05)  # connected, listening, nothing yet
+        # Per-sample commits (the hot path, autocommit): only the group's last one notifies.
+        c = buf.claim(w.id)
+        assert c is not None
+        buf.commit(c.lease, 0, payload(0, seed=0), 1.0)
+        assert not ours.wait(0.2)
+        buf.commit(c.lease, 1, payload(0, seed=1), 1.0)
+        assert ours.wait(10) and ours.wakeups == 1
+        # A whole group in one transaction notifies when it commits.
+        c = buf.claim(w.id)
+        assert c is not None
+        buf.commit_many(c.lease, [(i, payload(0, seed=i), 1.0, None) for i in range(2)])
+        assert ours.wait(10) and ours.wakeups == 2
+        assert not other.wait(0.2) and other.wakeups == 0  # another job's channel stays quiet
+    finally:
+        ours.close()
+        other.close()
+
+
+def test_the_listener_reconnects_after_its_connection_is_killed(
+    db: Database, engine: sa.Engine
+) -> None:
+    add_tasks(db, {"name": "a", "group_size": 1})
+    buf = make_buffer(db, batch_groups=2)
+    buf.seed()
+    w = buf.register_worker("r0")
+    listener = GroupsListener(db.url, 1, application_name="rollcall-listen-test")
+    try:
+        assert not listener.wait(0.05)
+        with engine.connect() as conn:
+            killed = conn.execute(
+                sa.text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = 'rollcall-listen-test'"
+                )
+            ).scalar()
+        assert killed == 1
+        assert not listener.wait(0.2)  # the broken connection: closed, a timeout's sleep
+        assert not listener.wait(0.05)  # reconnected and listening again
+        c = buf.claim(w.id)
+        assert c is not None
+        buf.commit(c.lease, 0, payload(0), 1.0)
+        assert listener.wait(10) and listener.wakeups == 1
+    finally:
+        listener.close()
