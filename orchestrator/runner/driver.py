@@ -24,7 +24,9 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,11 +36,14 @@ from rich.console import Console
 from orchestrator.buffer.service import Buffer
 from orchestrator.config import RollcallConfig
 from orchestrator.db.engine import Database
+from orchestrator.db.notify import GroupsListener
 from orchestrator.errors import ConflictError, NotFoundError, UserError
 from orchestrator.runner.progress import Progress, Snapshot
 from orchestrator.runner.rundir import RunDir
 
 log = logging.getLogger(__name__)
+# Waiting for a full batch: the loop claims again when a rollout node completes a group
+# (LISTEN/NOTIFY), and at the latest after WAIT_POLL_S.
 WAIT_POLL_S = 0.25
 NODE_STOP_TIMEOUT_S = 60.0
 
@@ -92,6 +97,12 @@ class JobDriver:
         self.metrics: Any = None  # the Prometheus exporter (orchestrator/runner/metrics.py)
         self.started_ray = False
         self.pending_evals: list[tuple[int, Any]] = []
+        self.groups: GroupsListener | None = None
+        # A step's bookkeeping after its commit (the nodes' reports, the run record, pruning,
+        # seeding, the progress display) runs on this thread, in step order, while the loop
+        # claims and trains the next step.
+        self._after: ThreadPoolExecutor | None = None
+        self._after_pending: deque[Future[None]] = deque()
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -360,17 +371,30 @@ class JobDriver:
         snap = Snapshot(cfg.job.name, cfg.run.mode, self.step, total, self.step, 0.0)
         stopped_early = False
         steps_this_run = 0
+        refreshed = 0.0
+        self.groups = GroupsListener(self.db.url, self.job_id)
+        self._after = ThreadPoolExecutor(max_workers=1, thread_name_prefix="after-step")
+        # The last committed step's bookkeeping starts once the next batch is claimed (or the
+        # loop waits for one), so it runs while the trainer trains instead of competing with
+        # the claim for the CPU.
+        after: tuple[Any, ...] | None = None
         try:
             if not self.run_dir.records("eval") or self.step == 0:
                 self._evaluate(self.step, None)
             while self.step < total and not self._stop_requested.is_set():
+                self._check_after_step()
                 self._collect_evals(snap, block=False)
                 batch = self.buffer.claim_batch(self.step, min_groups=cfg.buffer.batch_groups)
+                if after is not None:
+                    self._after_pending.append(self._after.submit(self._after_step, *after))
+                    after = None
                 if not batch.groups:
-                    snap.waiting = "waiting for a full batch from the rollout nodes"
-                    self._refresh(snap, started, train_s, steps_this_run)
-                    progress.update(snap)
-                    time.sleep(WAIT_POLL_S)
+                    if time.monotonic() - refreshed >= WAIT_POLL_S:
+                        snap.waiting = "waiting for a full batch from the rollout nodes"
+                        self._refresh(snap, started, train_s, steps_this_run)
+                        progress.update(snap)
+                        refreshed = time.monotonic()
+                    self.groups.wait(WAIT_POLL_S)
                     continue
                 snap.waiting = ""
                 try:
@@ -387,26 +411,29 @@ class JobDriver:
                 record.update(
                     trained_samples=trained, busy_frac=train_s / (time.monotonic() - started)
                 )
-                self.run_dir.append(record)
-                snap.reward = {
-                    k.split("/", 1)[1]: v for k, v in record.items() if k.startswith("reward/")
-                }
-                snap.mix = {
+                mix = {
                     v["name"]: v["groups"] for v in batch.task_mix.values() if isinstance(v, dict)
                 }
-                snap.staleness_mean = record["staleness_mean"]
-                snap.staleness_max = record["staleness_max"]
-                self._refresh(snap, started, train_s, steps_this_run)
-                progress.step_done(snap)
+                after = (record, mix, snap, progress, (started, train_s, steps_this_run))
                 every = cfg.run.eval.every
                 if every and self.step % every == 0 and self.step < total:
                     self._evaluate(self.step, record.get("weights_uri"))
+            if after is not None:
+                self._after_pending.append(self._after.submit(self._after_step, *after))
+                after = None
+            self._check_after_step(wait=True)
         except KeyboardInterrupt:
             stopped_early = True
             progress.message(
                 f"interrupted at step {self.step}; continue with `rollcall run CONFIG --resume`"
             )
         finally:
+            if after is not None:  # interrupted or failed: a committed step is still recorded
+                self._after.submit(self._after_step, *after)
+            self._after.shutdown(wait=True)
+            self._after = None
+            self._after_pending.clear()
+            self.groups.close()
             progress.close()
         wall = time.monotonic() - started
         final_dir = None
@@ -432,6 +459,8 @@ class JobDriver:
         )
 
     def _train_step(self, batch: Any) -> dict[str, Any]:
+        """The step's critical path, up to its commit: plan, train, checkpoint, publish,
+        commit. What only reports on it is ``_after_step``'s."""
         from workers.trainer.batch import plan_step
 
         cfg = self.cfg.trainer
@@ -472,6 +501,7 @@ class JobDriver:
             "weights_uri": weights_uri,
             "replayed": batch.replayed,
             "expired_groups": batch.expired_groups,
+            "prefetched_groups": batch.prefetched_groups,
         }
         self.buffer.commit_step(
             step,
@@ -480,11 +510,39 @@ class JobDriver:
             metrics={k: v for k, v in record.items() if isinstance(v, int | float)},
         )
         record["commit_s"] = time.monotonic() - t4
-        record.update(self._node_metrics())
-        if ckpt is not None:
-            self.run_dir.prune_checkpoints(cfg.keep_checkpoints)
-        self.buffer.seed()  # the consumed groups' admission slots are free again
         return record
+
+    def _after_step(
+        self,
+        record: dict[str, Any],
+        mix: dict[str, int],
+        snap: Snapshot,
+        progress: Progress,
+        timing: tuple[float, float, int],
+    ) -> None:
+        """A committed step's bookkeeping, on the after-step thread: the consumed groups'
+        admission slots are filled again (first: in sync mode the next batch waits for it),
+        the nodes' reports go into the step's record and the record into ``metrics.jsonl``,
+        old checkpoints are pruned, up to a batch of finished groups is read ahead of the
+        next claim, and the display moves on."""
+        self.buffer.seed()
+        record.update(self._node_metrics())
+        self.run_dir.append(record)
+        if record["checkpoint_uri"] is not None:
+            self.run_dir.prune_checkpoints(self.cfg.trainer.keep_checkpoints)
+        self.buffer.prefetch_groups(self.cfg.buffer.batch_groups)
+        snap.reward = {k.split("/", 1)[1]: v for k, v in record.items() if k.startswith("reward/")}
+        snap.mix = mix
+        snap.staleness_mean = record["staleness_mean"]
+        snap.staleness_max = record["staleness_max"]
+        self._refresh(snap, *timing, step=record["policy_version"])
+        progress.step_done(snap)
+
+    def _check_after_step(self, *, wait: bool = False) -> None:
+        """Re-raise a failed after-step pass (e.g. the database was down for longer than its
+        retries), as the step itself would have; with ``wait``, for every pending one."""
+        while self._after_pending and (wait or self._after_pending[0].done()):
+            self._after_pending.popleft().result()
 
     def _node_metrics(self) -> dict[str, float]:
         """Weight-load latency and progress of the rollout nodes (their own reports)."""
@@ -503,12 +561,15 @@ class JobDriver:
             "tokens_generated": float(sum(r["tokens_generated"] for r in reports)),
         }
 
-    def _refresh(self, snap: Snapshot, started: float, train_s: float, steps: int) -> None:
+    def _refresh(
+        self, snap: Snapshot, started: float, train_s: float, steps: int, step: int | None = None
+    ) -> None:
+        step = self.step if step is None else step
         elapsed = time.monotonic() - started
-        snap.step = snap.version = self.step
+        snap.step = snap.version = step
         snap.elapsed_s = elapsed
         snap.busy_frac = train_s / elapsed if elapsed > 0 else 0.0
-        left = self.cfg.run.total_steps - self.step
+        left = self.cfg.run.total_steps - step
         snap.eta_s = elapsed / steps * left if steps else None
         snap.depth = self.buffer.depth()
         snap.nodes = [n for n in self.buffer.node_health() if n["role"] == "rollout"]

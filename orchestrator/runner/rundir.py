@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ class RunDir:
         self.checkpoints = root / "checkpoints"
         self.final = root / "final"
         self.curve = root / "learning_curve.png"
+        self._append_lock = threading.Lock()  # steps and evaluations append from two threads
 
     def write_config(self, resolved: dict[str, Any]) -> Path:
         data = json.loads(json.dumps(resolved))  # plain types only
@@ -41,8 +43,9 @@ class RunDir:
         return path
 
     def append(self, record: dict[str, Any]) -> None:
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+        line = json.dumps({"time": round(time.time(), 3), **record}) + "\n"
+        with self._append_lock, self.metrics_path.open("a") as f:
+            f.write(line)
 
     def records(self, kind: str | None = None) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():

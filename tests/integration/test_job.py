@@ -158,6 +158,8 @@ def test_async_job_trains_publishes_and_keeps_every_trajectory(
     run = Path(result.run_dir)
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["kind"] == "step"] == [0, 1, 2]
+    # Each step's record carries the nodes' reports, taken after its commit (after-step thread).
+    assert all("node_versions_min" in r for r in records if r["kind"] == "step")
     assert {r["step"] for r in records if r["kind"] == "eval"} == {0, 3}
     assert (run / "config.yaml").exists() and (run / "learning_curve.png").stat().st_size > 1000
     from transformers import AutoModelForCausalLM
