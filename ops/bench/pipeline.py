@@ -52,7 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ops.bench.pipeline_bounds import Bounds, Sample, compute_bounds, mode_bound
+from ops.bench.pipeline_bounds import Bounds, Sample, compute_bounds, mode_bound, with_train_s
 from orchestrator.buffer import timings
 from orchestrator.config import RollcallConfig, TimingEngineConfig, TimingTrainerConfig
 from orchestrator.runner.rundir import RunDir
@@ -382,6 +382,14 @@ def summarise(
     span = by_step[max(by_step)].at - by_step[w - 1].at
     trained = sum(s.num_trajectories for s in inside)
     busy = sum(float(s.metrics.get(k, 0.0)) for s in inside for k in BUSY_PHASES)
+    # the timing trainer's modelled seconds of the same steps: what the bound counts, without
+    # the real costs of its calls (Ray, files) or the loop between steps
+    t = setup.trainer_config()
+    modelled = sum(
+        (t.step_s + t.s_per_token * float(s.metrics.get("tokens_trained", 0.0)) + t.checkpoint_s
+         + t.publish_s) * setup.scale
+        for s in inside
+    )  # fmt: skip
     per_step = {
         k: sum(float(records.get(s.step, {}).get(k, 0.0)) for s in inside) / len(inside)
         for k in ("plan_s", "train_s", "checkpoint_s", "publish_s", "commit_s")
@@ -406,6 +414,8 @@ def summarise(
         "traj_per_h_real": trained / span * 3600,
         "traj_per_s_sim": trained / (span / setup.scale),
         "busy": busy / span,
+        "modelled_busy": modelled / span,
+        "modelled_step_s_sim": modelled / setup.scale / max(1, len(inside)),
         "busy_run": result.busy_frac,
         "per_step_s": per_step,
         "staleness": dict(sorted(lags.items())),
@@ -447,6 +457,12 @@ def control_plane(setup: Setup, costs: dict[str, Any], span_s: float, steps: int
         # shares of the wall time: the agent loops' time in buffer calls, and the driver's
         "rollout_share": node_wall / (loops * span_s),
         "driver_share": driver_wall / span_s,
+        # the part of it the trainer waits for: the step's batch claim and commit (the rest runs
+        # on the driver's scheduler and after-step threads while the trainer trains)
+        "trainer_path_share": sum(
+            driver.get(k, {}).get("wall_s", 0.0) for k in ("claim_batch", "commit_step")
+        )
+        / span_s,
         # the same at a time scale of 1 (a real deployment: the modelled work takes 1/scale
         # longer, the database calls as long as here)
         "rollout_share_at_scale_1": node_wall / (loops * span_s / setup.scale),
@@ -514,8 +530,8 @@ def describe(setup: Setup, b: Bounds) -> str:
 def print_compare(setup: Setup, b: Bounds, runs: dict[str, dict[str, Any]]) -> None:
     print(describe(setup, b))
     head = ("mode", "traj/h (sim)", "bound", "eff", "bound (mix)", "eff (mix)", "busy",
-            "stale mean", "expired", "cp rollout", "cp driver", "cp cpu ms/traj",
-            "claim p50/p99 ms", "load")  # fmt: skip
+            "bound (trained)", "eff (trained)", "stale mean", "expired", "cp rollout", "cp driver",
+            "cp trainer path", "cp cpu ms/traj", "claim p50/p99 ms", "load")  # fmt: skip
     print(" | ".join(head))
     for mode, r in runs.items():
         bound, mixed = mode_bound(b, mode), r["bound_mix_traj_per_s"]
@@ -527,10 +543,13 @@ def print_compare(setup: Setup, b: Bounds, runs: dict[str, dict[str, Any]]) -> N
             f"{mixed * 3600:,.0f}",
             f"{r['traj_per_s_sim'] / mixed:.1%}",
             f"{r['busy']:.1%}",
+            f"{r['bound_trained_traj_per_s'] * 3600:,.0f}",
+            f"{r['traj_per_s_sim'] / r['bound_trained_traj_per_s']:.1%}",
             f"{r['staleness_mean']:.2f}",
             f"{r['expired_frac']:.1%}",
             f"{r['cp']['rollout_share']:.2%}",
             f"{r['cp']['driver_share']:.2%}",
+            f"{r['cp']['trainer_path_share']:.2%}",
             f"{r['cp']['cpu_ms_per_traj']:.1f}",
             f"{r['cp']['claim_p50_ms']}/{r['cp']['claim_p99_ms']}",
             "/".join(f"{x:g}" for x in r["load_after"]),
@@ -623,6 +642,9 @@ def main() -> None:
                 mixed = compute_bounds(s, profile, parallel, mix=realized_mix(r))
                 r["bounds_mix"] = asdict(mixed)
                 r["bound_mix_traj_per_s"] = mode_bound(mixed, m)
+                r["bound_trained_traj_per_s"] = mode_bound(
+                    with_train_s(b, r["modelled_step_s_sim"]), m
+                )
                 runs[m] = r
             print_compare(setup, b, runs)
             out.update(setup=asdict(setup), bounds=asdict(b), runs=runs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -113,3 +113,28 @@ def compute_bounds(
 
 def mode_bound(b: Bounds, mode: str) -> float:
     return b.sync_traj_per_s if mode == "sync" else b.async_traj_per_s
+
+
+def with_train_s(b: Bounds, train_s: float) -> Bounds:
+    """The same bounds with another modelled step time: that of the batches a run actually
+    trained in its window. Their tokens differ from the profile's mean, most in short runs: the
+    first batches are made of the groups that finish first (the short ones, before the window),
+    so the window trains more than its share of the long ones."""
+    per_batch = b.trainer_traj_per_s * b.train_s
+    trainer_rate = per_batch / train_s
+    sync_step = b.sync_rollout_s + train_s + b.load_s
+    async_rate = min(trainer_rate, b.rollout_traj_per_s, b.admission_traj_per_s)
+    limited = {
+        trainer_rate: "trainer",
+        b.rollout_traj_per_s: "rollout loops",
+        b.admission_traj_per_s: "admission",
+    }
+    return replace(
+        b,
+        train_s=train_s,
+        sync_step_s=sync_step,
+        sync_traj_per_s=per_batch / sync_step,
+        trainer_traj_per_s=trainer_rate,
+        async_traj_per_s=async_rate,
+        async_limited_by=limited[async_rate],
+    )

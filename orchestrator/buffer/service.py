@@ -490,8 +490,11 @@ class Buffer:
             alloc = allocate_batch(
                 {t.id: t.weight for t in tasks}, available, carry, self.config.batch_groups
             )
-            if sum(alloc.groups.values()) < min_groups:
-                return Batch(step, job.policy_version, (), {}, False, expired_by_task)
+            if (found := sum(alloc.groups.values())) < min_groups:
+                return Batch(
+                    step, job.policy_version, (), {}, False, expired_by_task,
+                    shortfall=min_groups - found,
+                )  # fmt: skip
             by_id = {t.id: t for t in tasks}
             ids = tx.batches.reserve_groups(
                 step,

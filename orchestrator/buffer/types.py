@@ -209,6 +209,7 @@ class Batch:
     replayed: bool  # the same batch as an earlier, uncommitted claim for this step
     expired_groups: dict[str, int]  # per task: groups expired (stale) while claiming
     prefetched_groups: int = 0  # groups whose samples were read ahead (Buffer.prefetch_groups)
+    shortfall: int = 0  # an empty batch (min_groups not met): how many groups it lacked
 
     @property
     def num_trajectories(self) -> int:

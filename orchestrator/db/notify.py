@@ -27,17 +27,17 @@ def groups_channel(job_id: int) -> str:
 
 
 class GroupsListener:
-    """``wait(timeout_s)`` returns True as soon as a group of the job completes, False after
-    ``timeout_s`` without one. The connection is opened on first use and reopened after a
-    failure (e.g. a database restart); while the database is unreachable ``wait`` sleeps its
-    timeout and returns False."""
+    """``wait(timeout_s, count)`` returns True as soon as ``count`` groups of the job completed
+    (default one), False after ``timeout_s`` with fewer. The connection is opened on first use
+    and reopened after a failure (e.g. a database restart); while the database is unreachable
+    ``wait`` sleeps its timeout and returns False."""
 
     def __init__(self, url: URL, job_id: int, *, application_name: str = "rollcall-listen") -> None:
         self._conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
         self._channel = groups_channel(job_id)
         self._application_name = application_name
         self._conn: psycopg.Connection | None = None
-        self.wakeups = 0  # notifications that ended a wait (for tests and benchmarks)
+        self.wakeups = 0  # waits ended by notifications (for tests and benchmarks)
 
     def _connection(self) -> psycopg.Connection | None:
         if self._conn is not None and not self._conn.closed:
@@ -56,14 +56,19 @@ class GroupsListener:
         self._conn = conn
         return conn
 
-    def wait(self, timeout_s: float) -> bool:
+    def wait(self, timeout_s: float, count: int = 1) -> bool:
+        """True once ``count`` groups completed (a batch that lacked that many may be full
+        now), False after ``timeout_s`` with fewer."""
         start = time.monotonic()
         conn = self._connection()
         if conn is None:
             time.sleep(max(0.0, timeout_s - (time.monotonic() - start)))
             return False
         try:
-            for _ in conn.notifies(timeout=max(0.0, timeout_s), stop_after=1):
+            got = 0
+            for _ in conn.notifies(timeout=max(0.0, timeout_s), stop_after=max(1, count)):
+                got += 1
+            if got >= max(1, count):
                 self.wakeups += 1
                 return True
         except psycopg.Error as e:

@@ -42,8 +42,8 @@ from orchestrator.runner.progress import Progress, Snapshot
 from orchestrator.runner.rundir import RunDir
 
 log = logging.getLogger(__name__)
-# Waiting for a full batch: the loop claims again when a rollout node completes a group
-# (LISTEN/NOTIFY), and at the latest after WAIT_POLL_S.
+# Waiting for a full batch: the loop claims again when rollout nodes completed as many groups
+# as the batch lacked (LISTEN/NOTIFY), and at the latest after WAIT_POLL_S.
 WAIT_POLL_S = 0.25
 NODE_STOP_TIMEOUT_S = 60.0
 
@@ -394,7 +394,7 @@ class JobDriver:
                         self._refresh(snap, started, train_s, steps_this_run)
                         progress.update(snap)
                         refreshed = time.monotonic()
-                    self.groups.wait(WAIT_POLL_S)
+                    self.groups.wait(WAIT_POLL_S, count=batch.shortfall)
                     continue
                 snap.waiting = ""
                 try:

@@ -63,3 +63,34 @@ def test_the_listener_reconnects_after_its_connection_is_killed(
         assert listener.wait(10) and listener.wakeups == 1
     finally:
         listener.close()
+
+
+def test_a_wait_for_a_batch_ends_when_as_many_groups_completed_as_it_lacked(
+    db: Database, engine: sa.Engine
+) -> None:
+    add_tasks(db, {"name": "a", "group_size": 1, "max_staleness": 4})
+    buf = make_buffer(db, batch_groups=3)
+    buf.seed()
+    w = buf.register_worker("r0")
+    listener = GroupsListener(db.url, 1)
+    try:
+
+        def complete_one() -> None:
+            c = buf.claim(w.id)
+            assert c is not None
+            buf.commit(c.lease, 0, payload(0), 1.0)
+
+        assert not listener.wait(0.05)  # listening
+        complete_one()
+        empty = buf.claim_batch(0, min_groups=3)
+        assert not empty.groups and empty.shortfall == 2
+        assert listener.wait(10)  # the group that landed before the claim (a stale hint)
+        complete_one()
+        assert not listener.wait(0.3, count=empty.shortfall)  # one of the two: not yet
+        complete_one()
+        complete_one()
+        assert listener.wait(10, count=2)
+        batch = buf.claim_batch(0, min_groups=3)
+        assert len(batch.groups) == 3 and batch.shortfall == 0
+    finally:
+        listener.close()

@@ -44,6 +44,10 @@ def test_a_timing_model_job_runs_through_the_real_orchestrator(
     assert ops["node.claim"]["calls"] >= 1 and ops["node.checkpoint"]["calls"] >= 1
     assert ops["driver.claim_batch"]["calls"] >= 1 and ops["driver.commit_step"]["calls"] == 2
     assert r["cp"]["pg_cpu_ms_per_traj"] > 0
+    # the trainer's waits on claims and commits are part of the driver's database time, and
+    # its modelled seconds part of the phases it was measured busy in
+    assert 0 < r["cp"]["trainer_path_share"] <= r["cp"]["driver_share"]
+    assert 0 < r["modelled_busy"] <= r["busy"]
     # the timing trainer published real files by version, the nodes loaded them
     assert scalar(db.engine, "SELECT weights_version FROM jobs WHERE id = :j", j=job_id) == 3
     loaded = scalar(
