@@ -238,13 +238,20 @@ class Snap:
 
 
 class Monitor(threading.Thread):
-    """Snapshots of the costs (nodes' and driver's buffer timings, CPU) at every step."""
+    """Snapshots of the costs (nodes' and driver's buffer timings, CPU) at every step. The
+    driver's timings are those taken the moment each step committed (``committed``), so a
+    window of steps counts exactly its own claims and commits however fast the steps go; the
+    rest is read when this thread sees the step change (every 50 ms)."""
 
     def __init__(self, driver: Any, pgdata: Path) -> None:
         super().__init__(name="bench-monitor", daemon=True)
         self.driver, self.pgdata = driver, pgdata
         self.snaps: dict[int, Snap] = {}
         self.done = threading.Event()
+        self.driver_ops_at: dict[int, dict[str, Any]] = {}  # version -> at its commit
+
+    def committed(self, version: int) -> None:
+        self.driver_ops_at[version] = self.driver.buffer.timings.snapshot()
 
     def snap(self) -> Snap | None:
         import ray
@@ -260,9 +267,9 @@ class Monitor(threading.Thread):
         if not reports:  # the nodes are stopping (the job's end) or restarting
             return None
         pg_cpu, pg_procs = postgres_cpu_s(self.pgdata)
+        driver_ops = self.driver_ops_at.get(step) or self.driver.buffer.timings.snapshot()
         return Snap(
-            time.monotonic(), step, reports, self.driver.buffer.timings.snapshot(),
-            pg_cpu, pg_procs, time.process_time(),
+            time.monotonic(), step, reports, driver_ops, pg_cpu, pg_procs, time.process_time(),
         )  # fmt: skip
 
     def run(self) -> None:
@@ -332,6 +339,14 @@ def run_job(setup: Setup, url: str, home: Path, model_dir: Path, name: str) -> d
             stop_nodes()
 
         driver._stop_nodes = snap_then_stop  # type: ignore[method-assign]
+        commit_step = driver.buffer.commit_step
+
+        def commit_then_mark(step: int, **kw: Any) -> Any:
+            out = commit_step(step, **kw)
+            monitor.committed(step + 1)
+            return out
+
+        driver.buffer.commit_step = commit_then_mark  # type: ignore[method-assign]
         monitor.start()
         result = driver.run()
         monitor.done.set()
@@ -349,7 +364,9 @@ def run_job(setup: Setup, url: str, home: Path, model_dir: Path, name: str) -> d
         log.close()
     records = {r["step"]: r for r in RunDir(run_dir).records("step")}
     trained = {names[t]: sum(per.values()) for t, per in staleness.items()}
-    return summarise(setup, result, monitor.snaps, steps, staleness, counters, records) | {
+    return summarise(
+        setup, result, monitor.snaps, steps, staleness, counters, records, monitor.driver_ops_at
+    ) | {
         "trained_groups_by_task": trained,
         "load_before": uptime0,
         "load_after": load_average(),
@@ -373,6 +390,7 @@ def summarise(
     staleness: dict[int, dict[int, int]],
     counters: list[dict[str, int]],
     records: dict[int, dict[str, Any]],
+    driver_ops_at: dict[int, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The run's figures over its measured window: from the commit of step ``warmup - 1``
     (or the first commit) to the last one, on the database clock."""
@@ -402,6 +420,8 @@ def summarise(
     expired = sum(c.get("expired_groups", 0) for c in counters)
     # control-plane costs between the snapshots taken at the window's ends
     first = snaps.get(w) or snaps[min(k for k in snaps if k >= w)]
+    if driver_ops_at and w in driver_ops_at:  # exact even where the monitor missed step w
+        first = replace(first, driver_ops=driver_ops_at[w])
     last = snaps[max(snaps)]
     costs = window_costs(first, last)
     return {
