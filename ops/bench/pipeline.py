@@ -44,7 +44,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -52,11 +51,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ops.bench.pipeline_bounds import Bounds, Sample, compute_bounds, mode_bound, with_train_s
-from orchestrator.buffer import timings
+from ops.bench.pipeline_bounds import Bounds, Sample, compute_bounds, mode_bound
+from ops.bench.pipeline_costs import Monitor, Snap, control_plane, window_costs
 from orchestrator.config import RollcallConfig, TimingEngineConfig, TimingTrainerConfig
 from orchestrator.runner.rundir import RunDir
 from tasks.longtail import LongtailSpec, LongtailTask
+from workers.trainer.timing import step_seconds
 
 # Task profiles (simulated seconds): several kinds of agent work with different tails.
 PROFILES: dict[str, dict[str, Any]] = {
@@ -201,119 +201,6 @@ def config_for(setup: Setup, name: str, url: str, run_dir: Path) -> RollcallConf
     )  # fmt: skip
 
 
-def postgres_cpu_s(pgdata: Path) -> tuple[float, int]:
-    """CPU seconds of our PostgreSQL (the postmaster, its live children and reaped ones) and
-    its number of child processes (client backends plus a few auxiliary ones)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    try:
-        pm = int((pgdata / "postmaster.pid").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0.0, 0
-    total, children = 0.0, 0
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        pid, ppid = int(d.name), int(fields[1])
-        if pid == pm:
-            total += sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
-        elif ppid == pm:
-            total += (int(fields[11]) + int(fields[12])) / tick
-            children += 1
-    return total, children
-
-
-@dataclass
-class Snap:
-    at: float
-    step: int
-    nodes: list[dict[str, Any]]
-    driver_ops: dict[str, Any]
-    pg_cpu_s: float
-    pg_processes: int
-    driver_cpu_s: float
-
-
-class Monitor(threading.Thread):
-    """Snapshots of the costs (nodes' and driver's buffer timings, CPU) at every step. The
-    driver's timings are those taken the moment each step committed (``committed``), so a
-    window of steps counts exactly its own claims and commits however fast the steps go; the
-    rest is read when this thread sees the step change (every 50 ms)."""
-
-    def __init__(self, driver: Any, pgdata: Path) -> None:
-        super().__init__(name="bench-monitor", daemon=True)
-        self.driver, self.pgdata = driver, pgdata
-        self.snaps: dict[int, Snap] = {}
-        self.done = threading.Event()
-        self.driver_ops_at: dict[int, dict[str, Any]] = {}  # version -> at its commit
-
-    def committed(self, version: int) -> None:
-        self.driver_ops_at[version] = self.driver.buffer.timings.snapshot()
-
-    def snap(self) -> Snap | None:
-        import ray
-
-        sup = self.driver.supervisor
-        if sup is None:
-            return None
-        step = int(self.driver.step)
-        try:
-            reports = ray.get([a.report.remote() for a in sup.actors], timeout=10)
-        except Exception:
-            return None
-        if not reports:  # the nodes are stopping (the job's end) or restarting
-            return None
-        pg_cpu, pg_procs = postgres_cpu_s(self.pgdata)
-        driver_ops = self.driver_ops_at.get(step) or self.driver.buffer.timings.snapshot()
-        return Snap(
-            time.monotonic(), step, reports, driver_ops, pg_cpu, pg_procs, time.process_time(),
-        )  # fmt: skip
-
-    def run(self) -> None:
-        last = -1
-        while not self.done.wait(0.05):
-            step = int(self.driver.step)
-            if step != last:
-                s = self.snap()
-                if s is not None:
-                    self.snaps.setdefault(s.step, s)
-                    last = step
-
-    def final(self) -> None:
-        """The last step's snapshot, taken before the driver stops the nodes (the thread's own
-        may race with the teardown)."""
-        s = self.snap()
-        if s is not None:
-            self.snaps[s.step] = s
-
-
-def window_costs(a: Snap, b: Snap) -> dict[str, Any]:
-    """Control-plane costs between two snapshots, summed over the rollout nodes (nodes that
-    restarted in between are left out) and the driver."""
-    before = {r["worker_id"]: r for r in a.nodes}
-    node_ops, node_cpu, committed = [], 0.0, 0
-    for r in b.nodes:
-        old = before.get(r["worker_id"])
-        if old is None:
-            continue
-        node_ops.append(timings.diff(r["buffer_ops"], old["buffer_ops"]))
-        node_cpu += r["process_cpu_s"] - old["process_cpu_s"]
-        committed += r["samples_committed"] - old["samples_committed"]
-    rollout = timings.merge(node_ops)
-    driver = timings.diff(b.driver_ops, a.driver_ops)
-    return {
-        "rollout_ops": rollout,
-        "driver_ops": driver,
-        "node_cpu_s": node_cpu,
-        "pg_cpu_s": b.pg_cpu_s - a.pg_cpu_s,
-        "driver_cpu_s": b.driver_cpu_s - a.driver_cpu_s,
-        "samples_committed": committed,
-    }
-
-
 def run_job(setup: Setup, url: str, home: Path, model_dir: Path, name: str) -> dict[str, Any]:
     from rich.console import Console
 
@@ -403,11 +290,10 @@ def summarise(
     # the timing trainer's modelled seconds of the same steps: what the bound counts, without
     # the real costs of its calls (Ray, files) or the loop between steps
     t = setup.trainer_config()
-    modelled = sum(
-        (t.step_s + t.s_per_token * float(s.metrics.get("tokens_trained", 0.0)) + t.checkpoint_s
-         + t.publish_s) * setup.scale
+    modelled = setup.scale * sum(
+        step_seconds(t, int(s.metrics.get("tokens_trained", 0))) + t.checkpoint_s + t.publish_s
         for s in inside
-    )  # fmt: skip
+    )
     per_step = {
         k: sum(float(records.get(s.step, {}).get(k, 0.0)) for s in inside) / len(inside)
         for k in ("plan_s", "train_s", "checkpoint_s", "publish_s", "commit_s")
@@ -446,64 +332,6 @@ def summarise(
         "cp": control_plane(setup, costs, last.at - first.at, last.step - first.step),
         "pg_processes_max": max(x.pg_processes for x in snaps.values()),
     }
-
-
-def control_plane(setup: Setup, costs: dict[str, Any], span_s: float, steps: int) -> dict[str, Any]:
-    trajectories = max(1, steps * setup.batch_groups * setup.group_size)
-    loops = setup.nodes * setup.concurrency
-    node, driver = costs["rollout_ops"], costs["driver_ops"]
-    node_wall = sum(v["wall_s"] for v in node.values())
-    node_cpu = sum(v["cpu_s"] for v in node.values())
-    driver_wall = sum(v["wall_s"] for v in driver.values())
-    driver_cpu = sum(v["cpu_s"] for v in driver.values())
-    claim = node.get("claim", {"hist": [0], "calls": 0, "wall_s": 0.0})
-
-    def per_traj_ms(seconds: float) -> float:
-        return seconds / trajectories * 1000
-
-    ops = {**_prefix(node, "node."), **_prefix(driver, "driver.")}
-    return {
-        "window_s": span_s,
-        "trajectories": trajectories,
-        "rollout_wall_ms_per_traj": per_traj_ms(node_wall),
-        "rollout_cpu_ms_per_traj": per_traj_ms(node_cpu),
-        "driver_wall_ms_per_traj": per_traj_ms(driver_wall),
-        "driver_cpu_ms_per_traj": per_traj_ms(driver_cpu),
-        "pg_cpu_ms_per_traj": per_traj_ms(costs["pg_cpu_s"]),
-        "node_process_cpu_ms_per_traj": per_traj_ms(costs["node_cpu_s"]),
-        "driver_process_cpu_ms_per_traj": per_traj_ms(costs["driver_cpu_s"]),
-        # the control plane's CPU: the database server and the clients' own work in its calls
-        "cpu_ms_per_traj": per_traj_ms(node_cpu + driver_cpu + costs["pg_cpu_s"]),
-        # shares of the wall time: the agent loops' time in buffer calls, and the driver's
-        "rollout_share": node_wall / (loops * span_s),
-        "driver_share": driver_wall / span_s,
-        # the part of it the trainer waits for: the step's batch claim and commit (the rest runs
-        # on the driver's scheduler and after-step threads while the trainer trains)
-        "trainer_path_share": sum(
-            driver.get(k, {}).get("wall_s", 0.0) for k in ("claim_batch", "commit_step")
-        )
-        / span_s,
-        # the same at a time scale of 1 (a real deployment: the modelled work takes 1/scale
-        # longer, the database calls as long as here)
-        "rollout_share_at_scale_1": node_wall / (loops * span_s / setup.scale),
-        "driver_share_at_scale_1": driver_wall / (span_s / setup.scale),
-        "claim_calls": claim["calls"],
-        "claim_p50_ms": _ms(timings.percentile_s(claim["hist"], 50)),
-        "claim_p99_ms": _ms(timings.percentile_s(claim["hist"], 99)),
-        "claim_mean_ms": claim["wall_s"] / claim["calls"] * 1000 if claim["calls"] else None,
-        "ops": {
-            k: {"calls": v["calls"], "wall_s": round(v["wall_s"], 3), "cpu_s": round(v["cpu_s"], 3)}
-            for k, v in sorted(ops.items())
-        },
-    }
-
-
-def _prefix(ops: dict[str, Any], p: str) -> dict[str, Any]:
-    return {p + k: v for k, v in ops.items()}
-
-
-def _ms(s: float | None) -> float | None:
-    return None if s is None else round(s * 1000, 3)
 
 
 def load_average() -> list[float]:
@@ -662,9 +490,8 @@ def main() -> None:
                 mixed = compute_bounds(s, profile, parallel, mix=realized_mix(r))
                 r["bounds_mix"] = asdict(mixed)
                 r["bound_mix_traj_per_s"] = mode_bound(mixed, m)
-                r["bound_trained_traj_per_s"] = mode_bound(
-                    with_train_s(b, r["modelled_step_s_sim"]), m
-                )
+                trained = compute_bounds(s, profile, parallel, train_s=r["modelled_step_s_sim"])
+                r["bound_trained_traj_per_s"] = mode_bound(trained, m)
                 runs[m] = r
             print_compare(setup, b, runs)
             out.update(setup=asdict(setup), bounds=asdict(b), runs=runs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -47,10 +47,15 @@ def compute_bounds(
     profile: dict[str, list[Sample]],
     parallel: bool,
     mix: dict[str, float] | None = None,
+    train_s: float | None = None,
 ) -> Bounds:
     """The pipeline's theoretical throughput for this configuration (see RESULTS.md). ``mix``:
     the share of each task among the trajectories (default: equal, as the weights ask; a run's
-    realized mix differs when a task falls short and the others fill its batch slots)."""
+    realized mix differs when a task falls short and the others fill its batch slots).
+    ``train_s``: the modelled step time of the batches a run actually trained in its window,
+    in place of the profile's. Their tokens differ from the profile's mean, most in short runs:
+    the first batches are made of the groups that finish first (the short ones, before the
+    window), so the window trains more than its share of the long ones."""
     rng = random.Random(7)
     names = list(profile)
     share_of = mix or {n: 1 / len(names) for n in names}
@@ -82,7 +87,11 @@ def compute_bounds(
     t = setup.trainer_config()
     from workers.trainer.timing import step_seconds
 
-    train = step_seconds(t, round(tokens * b * g)) + t.checkpoint_s + t.publish_s
+    train = (
+        step_seconds(t, round(tokens * b * g)) + t.checkpoint_s + t.publish_s
+        if train_s is None
+        else train_s
+    )
     load = setup.engine_config().load_s
     sync_step = sync_rollout + train + load
     per_batch = b * g
@@ -113,28 +122,3 @@ def compute_bounds(
 
 def mode_bound(b: Bounds, mode: str) -> float:
     return b.sync_traj_per_s if mode == "sync" else b.async_traj_per_s
-
-
-def with_train_s(b: Bounds, train_s: float) -> Bounds:
-    """The same bounds with another modelled step time: that of the batches a run actually
-    trained in its window. Their tokens differ from the profile's mean, most in short runs: the
-    first batches are made of the groups that finish first (the short ones, before the window),
-    so the window trains more than its share of the long ones."""
-    per_batch = b.trainer_traj_per_s * b.train_s
-    trainer_rate = per_batch / train_s
-    sync_step = b.sync_rollout_s + train_s + b.load_s
-    async_rate = min(trainer_rate, b.rollout_traj_per_s, b.admission_traj_per_s)
-    limited = {
-        trainer_rate: "trainer",
-        b.rollout_traj_per_s: "rollout loops",
-        b.admission_traj_per_s: "admission",
-    }
-    return replace(
-        b,
-        train_s=train_s,
-        sync_step_s=sync_step,
-        sync_traj_per_s=per_batch / sync_step,
-        trainer_traj_per_s=trainer_rate,
-        async_traj_per_s=async_rate,
-        async_limited_by=limited[async_rate],
-    )
