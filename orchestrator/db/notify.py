@@ -64,11 +64,10 @@ class GroupsListener:
         if conn is None:
             time.sleep(max(0.0, timeout_s - (time.monotonic() - start)))
             return False
+        want = max(1, count)
         try:
-            got = 0
-            for _ in conn.notifies(timeout=max(0.0, timeout_s), stop_after=max(1, count)):
-                got += 1
-            if got >= max(1, count):
+            got = sum(1 for _ in conn.notifies(timeout=max(0.0, timeout_s), stop_after=want))
+            if got >= want:
                 self.wakeups += 1
                 return True
         except psycopg.Error as e:

@@ -97,12 +97,6 @@ class JobDriver:
         self.metrics: Any = None  # the Prometheus exporter (orchestrator/runner/metrics.py)
         self.started_ray = False
         self.pending_evals: list[tuple[int, Any]] = []
-        self.groups: GroupsListener | None = None
-        # A step's bookkeeping after its commit (the nodes' reports, the run record, pruning,
-        # seeding, the progress display) runs on this thread, in step order, while the loop
-        # claims and trains the next step.
-        self._after: ThreadPoolExecutor | None = None
-        self._after_pending: deque[Future[None]] = deque()
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -372,29 +366,41 @@ class JobDriver:
         stopped_early = False
         steps_this_run = 0
         refreshed = 0.0
-        self.groups = GroupsListener(self.db.url, self.job_id)
-        self._after = ThreadPoolExecutor(max_workers=1, thread_name_prefix="after-step")
-        # The last committed step's bookkeeping starts once the next batch is claimed (or the
-        # loop waits for one), so it runs while the trainer trains instead of competing with
-        # the claim for the CPU.
+        groups = GroupsListener(self.db.url, self.job_id)
+        # A committed step's bookkeeping (``_after_step``) runs on this thread, in step order.
+        # It starts once the next batch is claimed (or the loop waits for one), so it runs
+        # while the trainer trains instead of competing with the claim for the CPU.
+        after_step = ThreadPoolExecutor(max_workers=1, thread_name_prefix="after-step")
+        pending: deque[Future[None]] = deque()
         after: tuple[Any, ...] | None = None
+
+        def start_after_step() -> None:
+            nonlocal after
+            if after is not None:
+                pending.append(after_step.submit(self._after_step, *after))
+                after = None
+
+        def raise_failed(*, wait: bool = False) -> None:
+            """Re-raise a failed after-step pass (e.g. the database was down for longer than
+            its retries), as the step itself would have; with ``wait``, of every pending one."""
+            while pending and (wait or pending[0].done()):
+                pending.popleft().result()
+
         try:
             if not self.run_dir.records("eval") or self.step == 0:
                 self._evaluate(self.step, None)
             while self.step < total and not self._stop_requested.is_set():
-                self._check_after_step()
+                raise_failed()
                 self._collect_evals(snap, block=False)
                 batch = self.buffer.claim_batch(self.step, min_groups=cfg.buffer.batch_groups)
-                if after is not None:
-                    self._after_pending.append(self._after.submit(self._after_step, *after))
-                    after = None
+                start_after_step()
                 if not batch.groups:
                     if time.monotonic() - refreshed >= WAIT_POLL_S:
                         snap.waiting = "waiting for a full batch from the rollout nodes"
                         self._refresh(snap, started, train_s, steps_this_run)
                         progress.update(snap)
                         refreshed = time.monotonic()
-                    self.groups.wait(WAIT_POLL_S, count=batch.shortfall)
+                    groups.wait(WAIT_POLL_S, count=batch.shortfall)
                     continue
                 snap.waiting = ""
                 try:
@@ -418,22 +424,17 @@ class JobDriver:
                 every = cfg.run.eval.every
                 if every and self.step % every == 0 and self.step < total:
                     self._evaluate(self.step, record.get("weights_uri"))
-            if after is not None:
-                self._after_pending.append(self._after.submit(self._after_step, *after))
-                after = None
-            self._check_after_step(wait=True)
+            start_after_step()
+            raise_failed(wait=True)
         except KeyboardInterrupt:
             stopped_early = True
             progress.message(
                 f"interrupted at step {self.step}; continue with `rollcall run CONFIG --resume`"
             )
         finally:
-            if after is not None:  # interrupted or failed: a committed step is still recorded
-                self._after.submit(self._after_step, *after)
-            self._after.shutdown(wait=True)
-            self._after = None
-            self._after_pending.clear()
-            self.groups.close()
+            start_after_step()  # interrupted or failed: a committed step is still recorded
+            after_step.shutdown(wait=True)
+            groups.close()
             progress.close()
         wall = time.monotonic() - started
         final_dir = None
@@ -537,12 +538,6 @@ class JobDriver:
         snap.staleness_max = record["staleness_max"]
         self._refresh(snap, *timing, step=record["policy_version"])
         progress.step_done(snap)
-
-    def _check_after_step(self, *, wait: bool = False) -> None:
-        """Re-raise a failed after-step pass (e.g. the database was down for longer than its
-        retries), as the step itself would have; with ``wait``, for every pending one."""
-        while self._after_pending and (wait or self._after_pending[0].done()):
-            self._after_pending.popleft().result()
 
     def _node_metrics(self) -> dict[str, float]:
         """Weight-load latency and progress of the rollout nodes (their own reports)."""
