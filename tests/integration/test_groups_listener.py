@@ -4,30 +4,42 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+from orchestrator.buffer.service import Buffer
 from orchestrator.db.engine import Database
 from orchestrator.db.notify import GroupsListener
-from tests.integration.buffer_helpers import add_tasks, make_buffer, payload
+from tests.integration.buffer_helpers import add_tasks, finish, make_buffer, payload, scalar
+
+
+def _seeded(db: Database, *, group_size: int, batch_groups: int, **task: int) -> tuple[Buffer, int]:
+    """One task "a" of the default job (id 1), seeded; the buffer and a rollout worker's id."""
+    add_tasks(db, {"name": "a", "group_size": group_size, **task})
+    buf = make_buffer(db, batch_groups=batch_groups)
+    buf.seed()
+    return buf, buf.register_worker("r0").id
+
+
+def _complete_one(buf: Buffer, worker_id: int) -> None:
+    c = buf.claim(worker_id)
+    assert c is not None
+    finish(buf, c, version=0)
 
 
 def test_a_completed_group_wakes_the_jobs_listener_and_no_other(
     db: Database, engine: sa.Engine
 ) -> None:
-    add_tasks(db, {"name": "a", "group_size": 2})
-    buf = make_buffer(db, batch_groups=2)
-    buf.seed()
-    w = buf.register_worker("r0")
+    buf, w = _seeded(db, group_size=2, batch_groups=2)
     ours, other = GroupsListener(db.url, 1), GroupsListener(db.url, 2)
     try:
         assert not ours.wait(0.05) and not other.wait(0.05)  # connected, listening, nothing yet
         # Per-sample commits (the hot path, autocommit): only the group's last one notifies.
-        c = buf.claim(w.id)
+        c = buf.claim(w)
         assert c is not None
         buf.commit(c.lease, 0, payload(0, seed=0), 1.0)
         assert not ours.wait(0.2)
         buf.commit(c.lease, 1, payload(0, seed=1), 1.0)
         assert ours.wait(10) and ours.wakeups == 1
         # A whole group in one transaction notifies when it commits.
-        c = buf.claim(w.id)
+        c = buf.claim(w)
         assert c is not None
         buf.commit_many(c.lease, [(i, payload(0, seed=i), 1.0, None) for i in range(2)])
         assert ours.wait(10) and ours.wakeups == 2
@@ -40,26 +52,19 @@ def test_a_completed_group_wakes_the_jobs_listener_and_no_other(
 def test_the_listener_reconnects_after_its_connection_is_killed(
     db: Database, engine: sa.Engine
 ) -> None:
-    add_tasks(db, {"name": "a", "group_size": 1})
-    buf = make_buffer(db, batch_groups=2)
-    buf.seed()
-    w = buf.register_worker("r0")
+    buf, w = _seeded(db, group_size=1, batch_groups=2)
     listener = GroupsListener(db.url, 1, application_name="rollcall-listen-test")
     try:
         assert not listener.wait(0.05)
-        with engine.connect() as conn:
-            killed = conn.execute(
-                sa.text(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE application_name = 'rollcall-listen-test'"
-                )
-            ).scalar()
+        killed = scalar(
+            engine,
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name = 'rollcall-listen-test'",
+        )
         assert killed == 1
         assert not listener.wait(0.2)  # the broken connection: closed, a timeout's sleep
         assert not listener.wait(0.05)  # reconnected and listening again
-        c = buf.claim(w.id)
-        assert c is not None
-        buf.commit(c.lease, 0, payload(0), 1.0)
+        _complete_one(buf, w)
         assert listener.wait(10) and listener.wakeups == 1
     finally:
         listener.close()
@@ -68,27 +73,18 @@ def test_the_listener_reconnects_after_its_connection_is_killed(
 def test_a_wait_for_a_batch_ends_when_as_many_groups_completed_as_it_lacked(
     db: Database, engine: sa.Engine
 ) -> None:
-    add_tasks(db, {"name": "a", "group_size": 1, "max_staleness": 4})
-    buf = make_buffer(db, batch_groups=3)
-    buf.seed()
-    w = buf.register_worker("r0")
+    buf, w = _seeded(db, group_size=1, batch_groups=3, max_staleness=4)
     listener = GroupsListener(db.url, 1)
     try:
-
-        def complete_one() -> None:
-            c = buf.claim(w.id)
-            assert c is not None
-            buf.commit(c.lease, 0, payload(0), 1.0)
-
         assert not listener.wait(0.05)  # listening
-        complete_one()
+        _complete_one(buf, w)
         empty = buf.claim_batch(0, min_groups=3)
         assert not empty.groups and empty.shortfall == 2
         assert listener.wait(10)  # the group that landed before the claim (a stale hint)
-        complete_one()
+        _complete_one(buf, w)
         assert not listener.wait(0.3, count=empty.shortfall)  # one of the two: not yet
-        complete_one()
-        complete_one()
+        _complete_one(buf, w)
+        _complete_one(buf, w)
         assert listener.wait(10, count=2)
         batch = buf.claim_batch(0, min_groups=3)
         assert len(batch.groups) == 3 and batch.shortfall == 0
