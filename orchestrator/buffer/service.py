@@ -194,8 +194,33 @@ class Buffer:
         with self.db.transaction() as tx:
             return tx.batches.release_claims(self.job_id)
 
-    def _requeue(self, tx: Tx, rows: Sequence[Any], reason: str) -> SweepResult:
-        done = tx.episodes.requeue_or_quarantine(rows, self.config.max_attempts, reason)
+    @timed
+    @retry_transient
+    def give_back(self, worker_id: int, reason: str) -> SweepResult:
+        """A rollout node whose engine failed gives up: it is marked dead and every lease it
+        holds is requeued at once, not counted as an attempt of the episode (a broken engine
+        is not a poison input); the next claimer resumes from the checkpoints."""
+        with self.db.transaction() as tx:
+            tx.workers.set_status(worker_id, WorkerStatus.DEAD)
+            rows = tx.episodes.lock_worker_leases(worker_id)
+            result = self._requeue(tx, rows, f"engine failed: {reason}", counted=False)
+            tx.events.add(
+                "worker.engine_failed",
+                ACTOR,
+                f"worker {worker_id}: engine failed ({reason}); {result.requeued} leases "
+                "given back (not counted as attempts)",
+                job_id=self.job_id,
+                payload={"worker_id": worker_id, "reason": reason, "requeued": result.requeued},
+            )
+            return result
+
+    def _requeue(
+        self, tx: Tx, rows: Sequence[Any], reason: str, *, counted: bool = True
+    ) -> SweepResult:
+        if counted:
+            done = tx.episodes.requeue_or_quarantine(rows, self.config.max_attempts, reason)
+        else:
+            done = tx.episodes.requeue_uncounted(rows, reason)
         for r in done:
             if r.quarantined:
                 tx.episodes.bump_task_counter(r.task_id, "quarantined_episodes")
@@ -343,13 +368,15 @@ class Buffer:
 
     @timed
     @retry_transient
-    def release(self, lease: Lease, error: str) -> SweepResult:
-        """The worker gives the episode up (e.g. its engine failed): requeue or quarantine."""
+    def release(self, lease: Lease, error: str, *, counted: bool = True) -> SweepResult:
+        """The worker gives the episode up: requeue or quarantine (its rollout failed), or,
+        with ``counted=False`` (its engine failed, not the episode), requeue without counting
+        the attempt."""
         with self.db.transaction() as tx:
             row = tx.episodes.lock_lease(lease.episode_id, lease.epoch)
             if row is None:
                 raise StaleLeaseError(lease.episode_id, lease.epoch, "lease is no longer held")
-            return self._requeue(tx, [row], f"released by worker: {error}")
+            return self._requeue(tx, [row], f"released by worker: {error}", counted=counted)
 
     def _write_one(
         self,

@@ -129,7 +129,7 @@ class Supervisor:
                     ray.get(slot.run_ref)
                     reason = "stopped (declared dead by the control plane)"
                 except Exception as e:
-                    reason = f"actor died ({type(e).__name__})"
+                    reason = _death_reason(e)
                     lost_machine = _machine_lost(e)
             elif slot.worker_id is not None and health.get(slot.worker_id) in ("dead", "failed"):
                 reason = "declared dead by the control plane (hung)"
@@ -208,11 +208,25 @@ class Supervisor:
         return ids
 
 
+def _death_reason(e: BaseException) -> str:
+    """What ended a node's ``run``: the exception the node raised (an ``EngineFailure``, say),
+    or the kind of actor death Ray reports."""
+    import ray.exceptions
+
+    if isinstance(e, ray.exceptions.RayTaskError):
+        cause = e.cause if isinstance(e.cause, BaseException) else e
+        first = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ""
+        return f"{type(cause).__name__}: {first}" if first else type(cause).__name__
+    return f"actor died ({type(e).__name__})"
+
+
 def _machine_lost(e: BaseException) -> bool:
     """Whether Ray says the actor's node is gone (rather than the actor failing by itself)."""
     import ray.exceptions
 
     if isinstance(e, ray.exceptions.NodeDiedError):
         return True
+    if isinstance(e, ray.exceptions.RayTaskError):  # the node's own code raised: its failure
+        return False
     text = str(e).lower()
     return "node" in text and ("terminated" in text or "died" in text or "dead" in text)

@@ -16,6 +16,14 @@ checkpoints. What it guarantees:
   first failure of one of its samples stops the others at their next turn;
 - each trajectory is checkpointed through the buffer after every turn, fenced by the lease;
 - a heartbeat thread renews the node's leases and reports tokens generated (progress);
+- an engine failure (``EngineFailure``: vLLM's EngineCore died or stopped answering, weights
+  that failed to load) is not the episodes' fault: their leases are given back without counting
+  an attempt. A dead engine ends the node at once: it stops claiming, gives back every lease it
+  holds (``Buffer.give_back``, which also marks it dead), and ``run`` raises ``EngineFailure``,
+  so the supervisor starts a new node whose claims resume from the checkpoints. The heartbeat
+  asks the engine (``failure()``, which never blocks) at every beat, so a death while idle is
+  found as fast; weights that failed to load keep the node from claiming until a later
+  version loads;
 - new weights are loaded between engine calls, so in-flight trajectories continue under the
   new version and record it per turn (partial rollout): every claim carries the job's
   published weights (read after the lease was taken) and the heartbeat looks them up; the node
@@ -42,7 +50,7 @@ from orchestrator.errors import StaleLeaseError
 from tasks import registry
 from tasks.base import TaskPlugin, TaskSpec
 from workers.rollout.agent import AgentLoop, Limits, Trajectory
-from workers.rollout.engines.base import Engine, GenerationRequest
+from workers.rollout.engines.base import Engine, EngineFailure, GenerationRequest
 from workers.rollout.engines.batching import BatchingEngine
 from workers.rollout.engines.factory import make_engine
 from workers.rollout.tools import ToolRunner
@@ -133,6 +141,9 @@ class RolloutNode:
         # beats go on while a stopping node finishes its episodes (its leases must stay live)
         self._beats_stop = threading.Event()
         self.declared_dead = False
+        self._engine_error: str | None = None  # the engine died: the node ends
+        self._weights_error: str | None = None  # the last load failed: no claims until one works
+        self._bad_version = -1  # the version whose load failed (not retried)
         self._reported_tokens = 0
         self._sync_weights()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
@@ -157,6 +168,9 @@ class RolloutNode:
             t.start()
         for t in loops:
             t.join()
+        if self._engine_error is not None:
+            self._beats_stop.set()
+            raise EngineFailure(f"{self.config.name}: {self._engine_error}")
         self._beat_once()
         if self._stop.is_set():
             self._beats_stop.set()
@@ -187,6 +201,8 @@ class RolloutNode:
             # CPU seconds and a latency histogram (orchestrator/buffer/timings.py)
             "buffer_ops": self.buffer.timings.snapshot(),
             "process_cpu_s": time.process_time(),
+            "engine_error": self._engine_error,
+            "weights_error": self._weights_error,
         }
 
     def stop(self) -> None:
@@ -224,6 +240,10 @@ class RolloutNode:
         try:
             if self._stop.is_set():
                 return False, None
+            if self._weights_error is not None:  # serve nothing until a later version loads
+                with self._work_cv:
+                    self._no_work_until = time.monotonic() + self.config.idle_sleep_s
+                return True, None
             if budget is not None and not budget.acquire(blocking=False):
                 return False, None
             claim = self.buffer.claim(self.worker.id)
@@ -329,6 +349,10 @@ class RolloutNode:
                 self.stats.samples_committed += 1
         except (LeaseLost, StaleLeaseError):
             self._fail(work, None)
+        except EngineFailure as e:  # the engine's failure, not the episode's: not counted
+            if e.fatal:
+                self._engine_died(str(e))
+            self._fail(work, e, counted=False)
         except Exception as e:  # a failure of this episode's rollout: give it back, counted
             log.exception("episode %s failed", lease.episode_id)
             self._fail(work, e)
@@ -340,10 +364,10 @@ class RolloutNode:
                     self._finish(work)
                 self._work_cv.notify_all()
 
-    def _fail(self, work: _Work, error: Exception | None) -> None:
+    def _fail(self, work: _Work, error: Exception | None, *, counted: bool = True) -> None:
         """The episode's first failure: its other samples stop (at their next turn) and are
-        not started; the lease is released (an error: requeued, counted) or, when it moved on,
-        the work is abandoned."""
+        not started; the lease is released (an error: requeued, counted unless ``counted`` is
+        False) or, when it moved on, the work is abandoned."""
         lease = work.claim.lease
         with self._work_cv:
             if work.failed:
@@ -357,7 +381,7 @@ class RolloutNode:
         # after all, releasing it keeps a live node from renewing a lease it will never use.
         reason = f"{type(error).__name__}: {error}" if error is not None else "lease lost"
         try:
-            self.buffer.release(lease, reason)
+            self.buffer.release(lease, reason, counted=counted)
             released = error is not None
         except StaleLeaseError:
             pass
@@ -395,14 +419,45 @@ class RolloutNode:
         self._load_if_newer(self.buffer.published_weights())
 
     def _load_if_newer(self, published: tuple[int, str] | None) -> None:
-        if published is None or published[0] <= self.engine.version:
+        if published is None or published[0] <= max(self.engine.version, self._bad_version):
             return
         with self._load_lock:
-            if published[0] > self.engine.version:
+            if published[0] > max(self.engine.version, self._bad_version):
                 try:
                     self._load(*published)
-                except OSError:  # pruned while we looked: the next version will be there
+                    self._weights_error = None
+                except FileNotFoundError:  # pruned while we looked: the next one will be there
                     log.warning("weights of version %s are gone; waiting for the next", published)
+                except EngineFailure as e:
+                    if e.fatal:
+                        self._engine_died(str(e))
+                        return
+                    self._weights_failed(published[0], e)
+                except Exception as e:  # a corrupt or incomplete file: wait for the next one
+                    self._weights_failed(published[0], e)
+
+    def _weights_failed(self, version: int, error: Exception) -> None:
+        """A load failed inside the engine, which now serves nothing (its weights may be half
+        replaced): claim nothing until a later version loads."""
+        self._bad_version = version
+        self._weights_error = f"version {version}: {type(error).__name__}: {error}"
+        log.error("loading weights failed (%s); waiting for the next version", self._weights_error)
+
+    def _engine_died(self, reason: str) -> None:
+        """The engine is dead: stop claiming, give back every lease at once (not counted as
+        attempts) and end; ``run`` raises so the supervisor restarts the node."""
+        with self._lock:
+            if self._engine_error is not None:
+                return
+            self._engine_error = reason
+        log.error("%s: engine failed (%s); giving back its episodes", self.config.name, reason)
+        self._stop.set()
+        with self._work_cv:
+            self._work_cv.notify_all()
+        try:
+            self.buffer.give_back(self.worker.id, reason)
+        except Exception:  # the database is away: the sweep requeues them once it is back
+            log.warning("could not give back the leases of a failed engine", exc_info=True)
 
     def _load(self, version: int, location: str) -> None:
         t0 = time.perf_counter()
@@ -436,15 +491,27 @@ class RolloutNode:
         with self._lock:
             idle = not self._active
         if idle:
+            probe = getattr(self.base_engine, "probe", None)
+            if probe is not None:  # the engine's own probe (works while weights are broken)
+                probe()
+                return
             eos = self.tokenizer.eos_token_id or 0
             self.engine.generate([GenerationRequest([eos], max_new_tokens=1)])
 
     def _beat(self) -> None:
         while not self._beats_stop.wait(self.config.heartbeat_interval_s):
             try:
+                failure = getattr(self.base_engine, "failure", None)
+                reason = failure() if failure is not None else None
+                if reason is not None:
+                    self._engine_died(reason)
+                    continue
                 self._beat_once()
                 self._probe()
                 self._sync_weights()
+            except EngineFailure as e:
+                if e.fatal:
+                    self._engine_died(str(e))
             except Exception:  # a missed beat is survivable; the lease budget covers it
                 log.exception("heartbeat failed")
 

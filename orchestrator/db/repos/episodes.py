@@ -364,6 +364,22 @@ class EpisodeRepository:
             out += [Requeued(r.id, r.task_id, True) for r in quarantine]
         return out
 
+    def requeue_uncounted(self, rows: Sequence[Any], error: str) -> list[Requeued]:
+        """Return leased episodes to the queue without counting the claim as an attempt (the
+        holder's engine failed, not the episode): never quarantines."""
+        ids = [r.id for r in rows]
+        if ids:
+            self.session.execute(
+                text(
+                    "UPDATE episodes SET status = 'queued', lease_owner = NULL, "
+                    "lease_expires_at = NULL, lease_epoch = lease_epoch + 1, last_error = :err, "
+                    "attempts = greatest(attempts - 1, 0), updated_at = now() "
+                    "WHERE id = ANY(:ids)"
+                ),
+                {"ids": ids, "err": error},
+            )
+        return [Requeued(r.id, r.task_id, False) for r in rows]
+
     def bump_task_counter(self, task_id: int, counter: str, by: int = 1) -> None:
         assert counter in {
             "fenced_rejections",

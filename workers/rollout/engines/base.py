@@ -11,6 +11,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 
+class EngineFailure(RuntimeError):
+    """The engine itself failed: its process died, it did not answer within its timeout, or it
+    cannot serve (weights not loaded). Not the episode's fault: a rollout node that sees it
+    gives its episodes back without counting an attempt, and an engine that is dead
+    (``fatal``) ends the node, which the supervisor restarts."""
+
+    def __init__(self, message: str, *, fatal: bool = True) -> None:
+        super().__init__(message)
+        self.fatal = fatal
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: list[int]  # the whole context so far, exactly as the trajectory holds it

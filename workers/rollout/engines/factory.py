@@ -34,16 +34,5 @@ def make_engine(
     if isinstance(config, VLLMEngineConfig):
         from workers.rollout.engines.vllm import VLLMEngine
 
-        return VLLMEngine(
-            model_dir,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            enable_prefix_caching=config.enable_prefix_caching,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            max_model_len=config.max_model_len,
-            dtype=config.dtype,
-            tensor_parallel_size=config.tensor_parallel_size,
-            enforce_eager=config.enforce_eager,
-            max_num_seqs=config.max_num_seqs,
-            seed=seed,
-        )
+        return VLLMEngine(model_dir, config, seed=seed)
     raise TypeError(f"unknown engine config {config!r}")  # pragma: no cover

