@@ -87,6 +87,8 @@ RESET_ATTEMPTS = 20  # reset_prefix_cache returns False while blocks are still i
 RESET_RETRY_S = 0.05  # ... which right after the last request finished is a matter of a step
 
 T = TypeVar("T")
+# vLLM's process names as /proc shows them (a command name is cut at 15 characters)
+ENGINE_CORE = "VLLM::EngineCor"
 
 
 class EngineUnavailable(RuntimeError):

@@ -1,0 +1,154 @@
+"""The ``vllm`` engine adapter on real vLLM (CPU build): in-place weight loads that refuse a
+corrupt or incomplete file and serve nothing from half-loaded weights, a dead EngineCore that
+becomes ``EngineFailure``, and no vLLM process left behind. One engine for the module: each
+start costs 20-55 s here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.config import VLLMEngineConfig
+from workers.rollout.engines.base import EngineFailure, GenerationRequest
+
+pytestmark = pytest.mark.timeout(600)
+
+T = 0.7
+
+
+def _trainer_logprobs(model_dir: Path, state: dict[str, Any] | None, ids: list[int]) -> Any:
+    """The trainer's own recomputation of ``ids``' log-probs at temperature ``T``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from workers.trainer.forward import token_logprobs
+    from workers.trainer.packing import pack
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+        model.tie_weights()
+    with torch.no_grad():
+        return token_logprobs(model, pack([ids], device="cpu"), temperature=T)[0]
+
+
+def _max_err(
+    model_dir: Path, state: dict[str, Any] | None, req: GenerationRequest, gen: Any
+) -> float:
+    ids = req.prompt_ids + gen.token_ids
+    lp = _trainer_logprobs(model_dir, state, ids)
+    n = len(req.prompt_ids)
+    return max(abs(float(lp[n + i]) - b) for i, b in enumerate(gen.logprobs))
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(vllm_tiny_dir: Path) -> Iterator[Any]:
+    from workers.rollout.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(vllm_tiny_dir, VLLMEngineConfig(device="cpu", dtype="float32"))
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def _weights(model_dir: Path, seed: int) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+
+    torch.manual_seed(seed)
+    state = load_file(str(model_dir / "model.safetensors"))
+    state.pop("lm_head.weight", None)  # tied: the trainer publishes without it
+    return {k: (v + 0.05 * torch.randn_like(v)).contiguous() for k, v in state.items()}
+
+
+def test_a_failed_load_serves_nothing_until_a_later_version_loads(
+    vllm_engine: Any, vllm_tiny_dir: Path, tmp_path: Path
+) -> None:
+    from workers.trainer.weights import publish
+
+    reqs = [GenerationRequest([5, 6, 7, 8 + i], 16, T) for i in range(3)]
+    before = vllm_engine.generate(reqs)
+    assert all(g.version == 0 for g in before)
+    assert _max_err(vllm_tiny_dir, None, reqs[0], before[0]) < 1e-4
+
+    good = _weights(vllm_tiny_dir, 1)
+    vllm_engine.load_weights(1, publish(good, tmp_path, 1))
+    assert vllm_engine.version == 1
+    gen = vllm_engine.generate(reqs[:1])[0]
+    assert gen.version == 1
+    assert _max_err(vllm_tiny_dir, good, reqs[0], gen) < 1e-4  # the new weights, tied head too
+
+    corrupt = tmp_path / "v000002"
+    corrupt.mkdir()
+    (corrupt / "model.safetensors").write_bytes(b"not a safetensors file" * 64)
+    with pytest.raises(Exception, match="header"):
+        vllm_engine.load_weights(2, str(corrupt))
+    assert vllm_engine.version == 1
+    with pytest.raises(EngineFailure, match="version 2 failed") as refused:
+        vllm_engine.generate(reqs)
+    assert not refused.value.fatal
+    vllm_engine.probe()  # the engine itself still works (the node's liveness probe)
+
+    incomplete = dict(good)
+    incomplete.pop("model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(Exception, match="down_proj"):
+        vllm_engine.load_weights(3, publish(incomplete, tmp_path, 3))
+    with pytest.raises(EngineFailure):
+        vllm_engine.generate(reqs)
+
+    with pytest.raises(FileNotFoundError):
+        vllm_engine.load_weights(4, str(tmp_path / "v000004"))
+
+    newer = _weights(vllm_tiny_dir, 5)
+    vllm_engine.load_weights(5, publish(newer, tmp_path, 5))
+    after = vllm_engine.generate(reqs)
+    assert all(g.version == 5 for g in after)
+    assert _max_err(vllm_tiny_dir, newer, reqs[0], after[0]) < 1e-4
+    assert vllm_engine.failure() is None
+
+
+def test_a_dead_engine_core_is_an_engine_failure_and_leaves_no_process(
+    vllm_engine: Any,
+) -> None:
+    from workers.rollout.engines.vllm import ENGINE_CORE, all_engine_processes
+
+    procs = {pid: name for pid, name in all_engine_processes() if pid in vllm_engine.engine_pids()}
+    core = [pid for pid, name in procs.items() if name == ENGINE_CORE]
+    assert len(core) == 1 and len(procs) >= 2, procs
+
+    def kill() -> None:
+        time.sleep(0.5)
+        os.kill(core[0], signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(EngineFailure, match="EngineCore died") as died:
+        vllm_engine.generate([GenerationRequest([1, 2, 3], 4000, 1.0) for _ in range(4)])
+    assert died.value.fatal and time.monotonic() - t0 < 30
+    assert "EngineCore died" in (vllm_engine.failure() or "")
+    with pytest.raises(EngineFailure):  # for good
+        vllm_engine.generate([GenerationRequest([1, 2], 2, 1.0)])
+    vllm_engine.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and set(procs) & {p for p, _ in all_engine_processes()}:
+        time.sleep(0.2)
+    assert not set(procs) & {p for p, _ in all_engine_processes()}
+
+
+def test_the_engine_refuses_a_mismatched_build_or_head_size(tmp_path: Path) -> None:
+    from workers.rollout.engines.vllm import EngineUnavailable, VLLMEngine
+    from workers.tiny_model import build_tiny
+
+    model = build_tiny(tmp_path / "m", heads=4)  # head size 16
+    with pytest.raises(EngineUnavailable, match="set device: cpu"):
+        VLLMEngine(model, VLLMEngineConfig(device="cuda"))
+    with pytest.raises(EngineUnavailable, match=r"heads of size 16.*--heads"):
+        VLLMEngine(model, VLLMEngineConfig(device="cpu"))
