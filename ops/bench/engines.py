@@ -82,6 +82,14 @@ def version_of(*names: str) -> str | None:
     return None
 
 
+def other_vllm() -> int:
+    """vLLM processes on this machine that are not this run's (other work sharing the cores)."""
+    from workers.rollout.engines.vllm import all_engine_processes, engine_processes
+
+    ours = {pid for pid, _ in engine_processes(os.getpid())}
+    return sum(1 for pid, _ in all_engine_processes() if pid not in ours)
+
+
 def machine() -> dict[str, Any]:
     cpu = ""
     with contextlib.suppress(OSError):
@@ -417,10 +425,12 @@ def main() -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     info = machine()
     load_start = load()
+    others_start = other_vllm()
     t_start = time.perf_counter()
     progress(
         f"engines benchmark: {info['nproc']} cores, load {load_start}, engines {args.engines}, "
-        f"loops {args.loops} x {args.turns} turns x {args.tokens_per_turn} tokens"
+        f"loops {args.loops} x {args.turns} turns x {args.tokens_per_turn} tokens; "
+        f"{others_start} vLLM processes of other work running"
     )
     results: dict[str, Any] = {}
     failed = False
@@ -444,8 +454,10 @@ def main() -> int:
                 results[name] = {"error": f"{type(e).__name__}: {e}"}
                 progress(f"{name}: FAILED: {type(e).__name__}: {e}")
             results[name]["load_after"] = load()
+            gc.collect()  # vLLM's AsyncLLM is collected now, not at interpreter exit
     sys.stderr.flush()
     load_end = load()
+    others_end = other_vllm()
     wall = time.perf_counter() - t_start
     params = results.get("hf", {}).get("parameters")
     print()
@@ -454,7 +466,8 @@ def main() -> int:
         + (f" ({params / 1e6:.2f}M parameters)" if params else "")
         + f"; throughput: {args.turns} turns x {args.tokens_per_turn} tokens per loop; "
         f"latency: {args.latency_loops} loops x {args.latency_turns} turns x 32 tokens, "
-        f"~200-token observations; load average {load_start} -> {load_end}; {wall:.0f} s"
+        f"~200-token observations; load average {load_start} -> {load_end}; vLLM processes "
+        f"of other work {others_start} -> {others_end}; {wall:.0f} s"
     )
     for line in table(results, args.loops):
         print(line)
@@ -481,6 +494,8 @@ def main() -> int:
                 "machine": info,
                 "load_start": load_start,
                 "load_end": load_end,
+                "other_vllm_processes_start": others_start,
+                "other_vllm_processes_end": others_end,
                 "wall_s": round(wall, 1),
                 "engines": results,
             }

@@ -1,0 +1,127 @@
+"""A rollout node hosting real vLLM (CPU build) in a Ray actor, on real PostgreSQL: weights that
+fail to load inside vLLM generate and commit nothing until a later version loads; an EngineCore
+SIGKILLed mid-generation ends the node at once with every lease given back (not counted as an
+attempt); killing the actor leaves no vLLM process behind. One engine start for the module."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from orchestrator.buffer.service import Buffer
+from orchestrator.config import BufferConfig, VLLMEngineConfig
+from orchestrator.db.engine import Database
+from tests.chaos.test_faults import _wait
+from tests.integration.buffer_helpers import rows, scalar
+from workers.rollout.agent import Limits
+from workers.rollout.engines.vllm import ENGINE_CORE, all_engine_processes, engine_processes
+from workers.rollout.node import NodeConfig, rollout_actor
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _publish(engine: sa.Engine, version: int, location: str) -> None:
+    """What a step commit does to the job's published weights (no trainer here)."""
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE jobs SET weights_version = :v, weights_uri = :u WHERE id = 1"),
+            {"v": version, "u": location},
+        )
+
+
+def _versions(engine: sa.Engine) -> set[int]:
+    return {v for (vs,) in rows(engine, "SELECT turn_versions FROM trajectories") for v in vs or []}
+
+
+def test_a_vllm_node_survives_a_failed_load_and_gives_back_a_dead_engines_leases(
+    ray_local: Any, vllm_tiny_dir: Path, db: Database, db_url: str, engine: sa.Engine,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    from orchestrator.services.tasks import register_task
+    from workers.trainer.weights import publish
+
+    with db.transaction() as tx:
+        register_task(
+            tx, job_name="default", name="calc", plugin="calculator", actor="test",
+            max_staleness=50, max_inflight=4, spec_data={"group_size": 2, "max_turns": 3},
+        )  # fmt: skip
+    buffer = BufferConfig(batch_groups=2)
+    Buffer(db, 1, buffer).seed()
+    before = {pid for pid, _ in all_engine_processes()}
+    node = rollout_actor(num_cpus=1).remote(
+        db_url,
+        1,
+        NodeConfig(
+            name="rollout-0",
+            model_dir=str(vllm_tiny_dir),
+            concurrency=2,
+            heartbeat_interval_s=0.5,
+            limits=Limits(max_tokens_per_turn=16, max_tokens=512),
+            engine=VLLMEngineConfig(device="cpu", dtype="float32"),
+        ),
+        buffer,
+    )
+    run = node.run.remote()
+    ready = "SELECT count(*) FROM trajectories WHERE status = 'ready'"
+    _wait("first commits", lambda: scalar(engine, ready) >= 2, 240)
+    actor_pid = int(scalar(engine, "SELECT pid FROM workers"))
+    mine = engine_processes(actor_pid)
+    assert sum(name == ENGINE_CORE for _, name in mine) == 1, mine
+
+    # 1. a corrupt version: vLLM refuses it, the node serves nothing and claims nothing
+    corrupt = tmp_path / "weights" / "v000001"
+    corrupt.mkdir(parents=True)
+    (corrupt / "model.safetensors").write_bytes(b"\0" * 4096)
+    _publish(engine, 1, str(corrupt))
+    _wait("the failed load", lambda: ray_local.get(node.report.remote())["weights_error"], 60)
+    leased = "SELECT count(*) FROM episodes WHERE status = 'leased'"
+    _wait("its episodes given back", lambda: scalar(engine, leased) == 0, 60)
+    committed = scalar(engine, ready)
+    time.sleep(3)  # several heartbeats and claim rounds: still nothing claimed or committed
+    assert scalar(engine, leased) == 0 and scalar(engine, ready) == committed
+    assert 1 not in _versions(engine)
+    assert scalar(engine, "SELECT count(*) FROM episodes WHERE status = 'quarantined'") == 0
+
+    # 2. the next version loads: the node goes on under it
+    from safetensors.torch import load_file
+
+    state = load_file(str(vllm_tiny_dir / "model.safetensors"))
+    state.pop("lm_head.weight", None)
+    _publish(engine, 2, publish(state, tmp_path / "weights", 2))
+    _wait("turns under version 2", lambda: 2 in _versions(engine), 120)
+    report = ray_local.get(node.report.remote())
+    assert report["version"] == 2 and report["weights_error"] is None
+
+    # 3. the EngineCore SIGKILLed mid-generation: every lease given back at once, uncounted
+    held = f"SELECT id, attempts FROM episodes WHERE status = 'leased' AND lease_owner = {report['worker_id']}"
+    _wait("episodes in flight", lambda: rows(engine, held), 60)
+    attempts = dict(rows(engine, held))
+    (core,) = [pid for pid, name in engine_processes(actor_pid) if name == ENGINE_CORE]
+    t0 = time.monotonic()
+    os.kill(core, signal.SIGKILL)
+    with pytest.raises(Exception, match="EngineFailure"):
+        ray_local.get(run, timeout=60)
+    took = time.monotonic() - t0
+    assert took < 30, took
+    assert scalar(engine, "SELECT status::text FROM workers") == "dead"
+    assert scalar(engine, leased) == 0
+    after = dict(
+        rows(engine, f"SELECT id, attempts FROM episodes WHERE id = ANY(ARRAY{sorted(attempts)})")
+    )
+    assert all(after[e] == attempts[e] - 1 for e in attempts), (attempts, after)
+    assert scalar(engine, "SELECT count(*) FROM events WHERE kind = 'worker.engine_failed'") == 1
+    assert scalar(engine, "SELECT count(*) FROM episodes WHERE status = 'quarantined'") == 0
+
+    # 4. the actor SIGKILLed: no vLLM process of it is left
+    os.kill(actor_pid, signal.SIGKILL)
+    _wait(
+        "no vLLM process left",
+        lambda: not ({pid for pid, _ in all_engine_processes()} - before),
+        30,
+    )
