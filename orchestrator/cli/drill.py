@@ -40,6 +40,7 @@ def _confirm(what: str, yes: bool) -> None:
 
 _EFFECT = {
     "kill-rollout": "kills (or stops) rollout nodes",
+    "kill-engine": "kills (or stops) the vLLM engine processes of rollout nodes",
     "kill-trainer": "SIGKILLs a trainer rank",
     "restart-db": "restarts the database under the processes",
     "kill-node": "SIGKILLs every process on a Ray node",
@@ -104,6 +105,35 @@ def kill_rollout(
     db = open_db(ctx)
     try:
         reports = Drills(db, job, timeout_s=timeout).kill_rollout(count, sig)
+    finally:
+        db.dispose()
+    _show(reports, json_out)
+
+
+@app.command("kill-engine")
+def kill_engine(
+    ctx: typer.Context,
+    job: JobOpt,
+    count: Annotated[int, typer.Option("--count", min=1, help="Engines to kill.")] = 1,
+    sig: Annotated[
+        str, typer.Option("--signal", help="KILL (crash) or STOP (hang).", case_sensitive=False)
+    ] = "KILL",
+    timeout: TimeoutOpt = 180.0,
+    json_out: JsonOpt = False,
+    yes: YesOpt = False,
+) -> None:
+    """Kill (or hang) the vLLM EngineCore process of the busiest rollout nodes, leaving their
+    Ray actors alive (nodes with the vllm engine, on this host)."""
+    from orchestrator.errors import UserError
+    from orchestrator.services.drills import Drills
+
+    _confirm("kill-engine", yes)
+    sig = sig.upper()
+    if sig not in ("KILL", "STOP"):
+        raise UserError(f"--signal {sig} is not supported; use KILL or STOP")
+    db = open_db(ctx)
+    try:
+        reports = Drills(db, job, timeout_s=timeout).kill_engine(count, sig)
     finally:
         db.dispose()
     _show(reports, json_out)

@@ -137,6 +137,31 @@ class Drills:
     # -- drills -------------------------------------------------------------------------------
 
     def kill_rollout(self, count: int = 1, sig: str = "KILL") -> list[DrillReport]:
+        return self._kill_rollouts(count, sig, engine=False)
+
+    def kill_engine(self, count: int = 1, sig: str = "KILL") -> list[DrillReport]:
+        """SIGKILL (a crash) or SIGSTOP (a hang) the vLLM EngineCore process of the busiest
+        rollout nodes, leaving the Ray actors that host them alive: the node must find its
+        engine dead (or the control plane its progress stalled), give its episodes back and
+        be restarted. Only for nodes with the ``vllm`` engine, on this host."""
+        return self._kill_rollouts(count, sig, engine=True)
+
+    def _engine_core(self, worker: dict[str, Any]) -> int:
+        from workers.rollout.engines.vllm import ENGINE_CORE, engine_processes
+
+        if worker["host"] != socket.gethostname():
+            raise UserError(
+                f"worker {worker['name']} runs on {worker['host']}; run the drill there"
+            )
+        cores = [pid for pid, name in engine_processes(int(worker["pid"])) if name == ENGINE_CORE]
+        if not cores:
+            raise UserError(
+                f"worker {worker['name']} (pid {worker['pid']}) has no vLLM EngineCore process: "
+                "kill-engine drills nodes whose rollout.engine.kind is vllm"
+            )
+        return cores[0]
+
+    def _kill_rollouts(self, count: int, sig: str, *, engine: bool) -> list[DrillReport]:
         signum = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}[sig]
         # wait (up to the timeout) for enough live nodes: one may be restarting
         self._wait(lambda: len(self._workers("rollout")) >= count)
@@ -147,6 +172,8 @@ class Drills:
             )
         # the busiest nodes first: the drill is about work in flight
         targets = sorted(live, key=lambda w: -w["tokens_generated"])[:count]
+        # what gets the signal: the node's process, or its engine's EngineCore process
+        victims = {w["id"]: self._engine_core(w) if engine else int(w["pid"]) for w in targets}
         snaps = {}
         with self.db.transaction() as tx:
             for w in targets:
@@ -155,10 +182,18 @@ class Drills:
         t0 = time.monotonic()
         wall0 = time.time()
         for w in targets:
-            self._signal(w, signum)
+            if engine:
+                try:
+                    os.kill(victims[w["id"]], signum)
+                except ProcessLookupError:
+                    raise ConflictError(f"the engine of {w['name']} is gone") from None
+            else:
+                self._signal(w, signum)
         reports = []
+        drill = "kill-engine" if engine else "kill-rollout"
         for w in targets:
-            r = DrillReport(f"kill-rollout --signal {sig}", self.job.name, w["name"], wall0)
+            target = f"{w['name']} (EngineCore pid {victims[w['id']]})" if engine else w["name"]
+            r = DrillReport(f"{drill} --signal {sig}", self.job.name, target, wall0)
             wid, name = int(w["id"]), str(w["name"])
             dead_at = self._wait(functools.partial(self._is_down, wid))
             r.detection_s = None if dead_at is None else dead_at - t0
@@ -167,8 +202,8 @@ class Drills:
             if signum == signal.SIGSTOP:  # the supervisor SIGKILLs a hung node; never leave
                 # a stopped process behind if it did not
                 try:
-                    os.kill(int(w["pid"]), signal.SIGCONT)
-                    os.kill(int(w["pid"]), signal.SIGKILL)
+                    os.kill(victims[w["id"]], signal.SIGCONT)
+                    os.kill(victims[w["id"]], signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             self._account(r, snaps[w["id"]])
