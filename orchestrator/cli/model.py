@@ -28,6 +28,10 @@ def init(
     seed: Annotated[int, typer.Option(help="Seed of the weights and the warm-start data.")] = 0,
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 96,
     layers: Annotated[int, typer.Option(help="Transformer layers.")] = 3,
+    heads: Annotated[
+        int,
+        typer.Option(help="Attention heads (head size hidden/heads: vLLM on CPU needs 32+)."),
+    ] = 3,
     steps: Annotated[int, typer.Option(help="Warm-start SFT steps (0: random weights).")] = 600,
     copy_steps: Annotated[
         int, typer.Option(help="Steps of copy drills before the task transcripts (0: none).")
@@ -51,7 +55,11 @@ def init(
     say = console()
     t0 = time.monotonic()
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, hidden=hidden, layers=layers, init_std=0.1, seed=seed)
+    if hidden % heads:
+        raise UserError(f"--hidden {hidden} is not a multiple of --heads {heads}")
+    model = build_model(
+        tokenizer, hidden=hidden, layers=layers, heads=heads, init_std=0.1, seed=seed
+    )
     params = sum(p.numel() for p in model.parameters())
     say.print(
         f"tokenizer: {len(tokenizer)} tokens; model: {params / 1e6:.2f}M parameters", markup=False

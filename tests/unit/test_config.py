@@ -128,6 +128,41 @@ def test_a_vllm_engine_needs_its_gpus_and_a_context_for_whole_trajectories(
     assert isinstance(engine, VLLMEngineConfig) and engine.max_model_len == 1024
 
 
+def test_a_cpu_vllm_engine_needs_no_gpus_and_refuses_what_vllm_cpu_cannot_do(
+    tmp_path: Path,
+) -> None:
+    from orchestrator.config import VLLMEngineConfig
+
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  engine: {kind: vllm, device: cpu, dtype: float32}\n")
+    engine = load_config(p).rollout.engine  # no gpus_per_node needed
+    assert isinstance(engine, VLLMEngineConfig) and engine.device == "cpu"
+    assert engine.cpu_kv_cache_gib == 1 and engine.cpu_threads_bind == "nobind"
+    assert load_config(p, ["rollout.engine.cpu_threads_bind=0-1,3"]).rollout.engine
+    with pytest.raises(UserError, match=r"float16 is not supported by vLLM on CPU"):
+        load_config(p, ["rollout.engine.dtype=float16"])
+    with pytest.raises(UserError, match=r"tensor_parallel_size must be 1 with device cpu"):
+        load_config(p, ["rollout.engine.tensor_parallel_size=2"])
+    with pytest.raises(UserError, match=r"cpu_threads_bind"):
+        load_config(p, ["rollout.engine.cpu_threads_bind=everywhere"])
+    with pytest.raises(UserError, match=r"cpu_kv_cache_gib"):
+        load_config(p, ["rollout.engine.cpu_kv_cache_gib=0"])
+    with pytest.raises(UserError, match=r"request_timeout_s"):
+        load_config(p, ["rollout.engine.request_timeout_s=0"])
+
+
+def test_the_vllm_quickstart_config_is_the_quickstart_with_a_cpu_vllm_node() -> None:
+    from orchestrator.config import VLLMEngineConfig
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    hf, vl = load_config(root / "quickstart.yaml"), load_config(root / "quickstart-vllm.yaml")
+    assert isinstance(vl.rollout.engine, VLLMEngineConfig) and vl.rollout.engine.device == "cpu"
+    same = ["buffer", "trainer", "run", "tasks", "model", "ray"]
+    assert {k: getattr(vl, k) for k in same} == {k: getattr(hf, k) for k in same}
+    strip = {"engine", "start_timeout_s"}
+    assert vl.rollout.model_dump(exclude=strip) == hf.rollout.model_dump(exclude=strip)
+
+
 def test_loss_temperature_must_match_the_sampling_temperature(tmp_path: Path) -> None:
     p = tmp_path / "c.yaml"
     p.write_text("rollout:\n  temperature: 0.7\n")

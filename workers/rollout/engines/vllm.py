@@ -511,7 +511,9 @@ def _check_cpu_head_size(model_dir: Path) -> None:
     if head not in supported:
         raise EngineUnavailable(
             f"{model_dir} has attention heads of size {head}; vLLM on CPU supports "
-            f"{supported}: rebuild the model with fewer heads (rollcall model init --heads)"
+            f"{supported}. Use a model with such heads (`rollcall model init` builds the tiny "
+            "model with head size 32; a tiny model built before 0.1 has 24: remove it and let "
+            "the next run rebuild it), or engine kind 'hf'"
         )
 
 
