@@ -1,0 +1,36 @@
+"""How the supervisor reads a node's death: an exception the node's own code raised (an
+``EngineFailure``) is the node's failure and counts against its restart budget, whatever its
+message says; its reason names the cause."""
+
+from __future__ import annotations
+
+from orchestrator.runner.supervisor import _death_reason, _machine_lost
+from workers.rollout.engines.base import EngineFailure
+
+
+def _raised_by_the_node(e: BaseException) -> BaseException:
+    from ray.exceptions import RayTaskError
+
+    # as Ray builds it for an exception raised in an actor method
+    tb = (
+        "ray::RolloutNode.run() (pid=4242, ip=127.0.0.1, repr=<RolloutNode object>)\n"
+        "Traceback (most recent call last):\n"
+        '  File "workers/rollout/node.py", line 160, in run\n'
+        f"{type(e).__module__}.{type(e).__name__}: {e}"
+    )
+    error = RayTaskError("RolloutNode.run", tb, e, proctitle="ray::RolloutNode.run()")
+    return error.as_instanceof_cause()  # what ray.get raises: also an instance of the cause
+
+
+def test_an_engine_failure_is_the_nodes_own_failure_not_a_lost_machine() -> None:
+    # Ray's text of it says "RolloutNode" and "died": text matching took it for a lost machine,
+    # so the failure was never counted and a crash-looping engine restarted forever
+    e = _raised_by_the_node(EngineFailure("rollout-0: vLLM's EngineCore died (EngineDeadError)"))
+    assert not _machine_lost(e)
+    assert _death_reason(e) == "EngineFailure: rollout-0: vLLM's EngineCore died (EngineDeadError)"
+
+
+def test_ray_reporting_the_machine_gone_is_a_lost_machine() -> None:
+    from ray.exceptions import NodeDiedError
+
+    assert _machine_lost(NodeDiedError("node abc died"))
