@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import gc
 import importlib.metadata
+import itertools
 import json
 import os
 import platform
@@ -65,6 +66,7 @@ RELOADS = 3
 NOISE = 1e-3  # perturbation of the published weights, times each tensor's std
 SHORT_TOOL = "\n<|tool|>\nok: 7\n<|assistant|>\n"  # about 10 tokens after every turn
 LONG_TOOL = "\n<|tool|>\n" + "result line " * 24 + "\n<|assistant|>\n"  # about 200 tokens
+RUNS = itertools.count(1)  # every run's prompts are new: no run starts from another's cache
 
 
 def progress(msg: str) -> None:
@@ -148,6 +150,7 @@ def agent_loops(
     """``loops`` threads, each a multi-turn agent: ``turns`` sequential generate calls, each
     prompt = the last prompt + its generated tokens + the tool observation ``tool``."""
     observation = list(tokenizer.encode(tool, add_special_tokens=False))
+    run = next(RUNS)
     generated = [0] * loops
     prompts = [0] * loops
     cached = [0] * loops
@@ -158,8 +161,8 @@ def agent_loops(
         try:
             ctx = list(
                 tokenizer.encode(
-                    f"<|system|>\nTools: search, open\n<|user|>\nTask {i}: find item {i * 7}."
-                    "\n<|assistant|>\n",
+                    f"<|system|>\nTools: search, open\n<|user|>\nRun {run}, task {i}: "
+                    f"find item {i * 7}.\n<|assistant|>\n",
                     add_special_tokens=False,
                 )
             )
@@ -379,6 +382,15 @@ def figures(r: dict[str, Any], loops: list[int]) -> list[str]:
     return col
 
 
+def preimport_vllm() -> None:
+    """vLLM's CPU attention module imported from ``main``, not first inside the engine's
+    constructor (``_check_cpu_head_size``): that first import keeps the frames that called it
+    alive (seen from ``dill._dill``), so the first engine's AsyncLLM would outlive ``close`` and
+    its ``__del__`` would fail noisily at interpreter exit, after the JSON line."""
+    with contextlib.suppress(Exception):  # no vLLM: the engine itself says so
+        import vllm.v1.attention.backends.cpu_attn  # noqa: F401
+
+
 def table(results: dict[str, Any], loops: list[int]) -> list[str]:
     labels = [
         "engine start s (cache on / off)",
@@ -446,6 +458,8 @@ def main() -> int:
         progress(f"published versions {[v for v, _ in versions]} for the reloads")
         benches = {"hf": bench_hf, "vllm": bench_vllm}
         for name in args.engines:
+            if name == "vllm":
+                preimport_vllm()
             try:
                 results[name] = benches[name](model, args, versions)
             except Exception as e:
