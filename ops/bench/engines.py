@@ -391,6 +391,17 @@ def preimport_vllm() -> None:
         import vllm.v1.attention.backends.cpu_attn  # noqa: F401
 
 
+def stop_resource_tracker() -> None:
+    """Stop multiprocessing's resource tracker (vLLM's processes share it) once every engine is
+    closed: it warns about the shared memory a force-killed EngineCore left behind when it
+    stops, which would otherwise be at interpreter exit, after the JSON line. A later user
+    starts it again."""
+    from multiprocessing import resource_tracker
+
+    with contextlib.suppress(Exception):
+        resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+
+
 def table(results: dict[str, Any], loops: list[int]) -> list[str]:
     labels = [
         "engine start s (cache on / off)",
@@ -469,6 +480,7 @@ def main() -> int:
                 progress(f"{name}: FAILED: {type(e).__name__}: {e}")
             results[name]["load_after"] = load()
             gc.collect()  # vLLM's AsyncLLM is collected now, not at interpreter exit
+    stop_resource_tracker()
     sys.stderr.flush()
     load_end = load()
     others_end = other_vllm()
