@@ -29,9 +29,11 @@ def init(
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 96,
     layers: Annotated[int, typer.Option(help="Transformer layers.")] = 3,
     heads: Annotated[
-        int,
-        typer.Option(help="Attention heads (head size hidden/heads: vLLM on CPU needs 32+)."),
-    ] = 3,
+        int | None,
+        typer.Option(
+            help="Attention heads; default hidden/32 (head size 32: vLLM on CPU needs 32+)."
+        ),
+    ] = None,
     steps: Annotated[int, typer.Option(help="Warm-start SFT steps (0: random weights).")] = 600,
     copy_steps: Annotated[
         int, typer.Option(help="Steps of copy drills before the task transcripts (0: none).")
@@ -55,6 +57,7 @@ def init(
     say = console()
     t0 = time.monotonic()
     tokenizer = build_tokenizer()
+    heads = heads or max(1, hidden // 32)
     if hidden % heads:
         raise UserError(f"--hidden {hidden} is not a multiple of --heads {heads}")
     model = build_model(

@@ -85,6 +85,7 @@ from workers.rollout.engines.base import (
 WEIGHTS_FILE = "model.safetensors"  # what ``workers.trainer.weights.publish`` writes
 RESET_ATTEMPTS = 20  # reset_prefix_cache returns False while blocks are still in use ...
 RESET_RETRY_S = 0.05  # ... which right after the last request finished is a matter of a step
+WAIT_SLICE_S = 0.25  # how often a caller waiting on vLLM checks that its EngineCore lives
 
 T = TypeVar("T")
 # vLLM's process names as /proc shows them (a command name is cut at 15 characters)
@@ -361,12 +362,25 @@ class VLLMEngine:
             coro.close()
             raise RuntimeError("the vllm engine is closed")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        deadline = time.monotonic() + timeout_s
         try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            self._dead = f"vLLM did not answer: {what} took over {timeout_s:g} s"
-            raise EngineFailure(self._dead) from None
+            while True:
+                # in slices: a call vLLM never answers once its EngineCore died (a
+                # collective_rpc in flight, measured: it waits out its whole timeout) ends
+                # as soon as AsyncLLM knows the EngineCore is gone
+                try:
+                    return future.result(
+                        timeout=max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic()))
+                    )
+                except concurrent.futures.TimeoutError:
+                    if self._engine_errored():
+                        future.cancel()
+                        self._dead = f"vLLM's EngineCore died during {what} (AsyncLLM errored)"
+                        raise EngineFailure(self._dead) from None
+                    if time.monotonic() >= deadline:
+                        future.cancel()
+                        self._dead = f"vLLM did not answer: {what} took over {timeout_s:g} s"
+                        raise EngineFailure(self._dead) from None
         except EngineFailure:
             raise
         except Exception as e:
