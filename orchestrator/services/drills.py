@@ -153,7 +153,11 @@ class Drills:
             raise UserError(
                 f"worker {worker['name']} runs on {worker['host']}; run the drill there"
             )
-        cores = [pid for pid, name in engine_processes(int(worker["pid"])) if name == ENGINE_CORE]
+        with self.db.transaction() as tx:
+            recorded = tx.workers.info(int(worker["id"])).get("engine_processes") or {}
+        cores = [int(recorded["engine_core"])] if recorded.get("engine_core") else []
+        if not cores:  # a node that did not record them: look under its process
+            cores = [p for p, name in engine_processes(int(worker["pid"])) if name == ENGINE_CORE]
         if not cores:
             raise UserError(
                 f"worker {worker['name']} (pid {worker['pid']}) has no vLLM EngineCore process: "

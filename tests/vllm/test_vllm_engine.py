@@ -118,11 +118,11 @@ def test_a_failed_load_serves_nothing_until_a_later_version_loads(
 def test_a_dead_engine_core_is_an_engine_failure_and_leaves_no_process(
     vllm_engine: Any,
 ) -> None:
-    from workers.rollout.engines.vllm import ENGINE_CORE, all_engine_processes
+    from workers.rollout.engines.vllm import _alive, all_engine_processes
 
-    procs = {pid: name for pid, name in all_engine_processes() if pid in vllm_engine.engine_pids()}
-    core = [pid for pid, name in procs.items() if name == ENGINE_CORE]
-    assert len(core) == 1 and len(procs) >= 2, procs
+    procs = set(vllm_engine.engine_pids())
+    core = [vllm_engine.processes["engine_core"]]
+    assert core[0] in procs and len(procs) >= 2, (vllm_engine.processes, all_engine_processes())
 
     def kill() -> None:
         time.sleep(0.5)
@@ -138,9 +138,9 @@ def test_a_dead_engine_core_is_an_engine_failure_and_leaves_no_process(
         vllm_engine.generate([GenerationRequest([1, 2], 2, 1.0)])
     vllm_engine.close()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and set(procs) & {p for p, _ in all_engine_processes()}:
+    while time.monotonic() < deadline and any(map(_alive, procs)):
         time.sleep(0.2)
-    assert not set(procs) & {p for p, _ in all_engine_processes()}
+    assert not any(map(_alive, procs))
 
 
 def test_an_engine_core_that_dies_during_a_weight_load_ends_the_load_at_once(
@@ -149,14 +149,14 @@ def test_an_engine_core_that_dies_during_a_weight_load_ends_the_load_at_once(
     # vLLM never answers a collective_rpc that was in flight when its EngineCore died: the
     # load waited out its whole timeout, holding the gate, so the node's loops and heartbeat
     # stalled with it (in a job: declared dead by the heartbeat sweep, not by itself)
-    from workers.rollout.engines.vllm import ENGINE_CORE, VLLMEngine
+    from workers.rollout.engines.vllm import VLLMEngine
     from workers.trainer.weights import publish
 
     engine = VLLMEngine(vllm_tiny_dir, VLLMEngineConfig(device="cpu", load_timeout_s=60))
     try:
         state = _weights(vllm_tiny_dir, 7)
         versions = [publish(state, tmp_path, v, keep=100) for v in range(1, 80)]
-        (core,) = [pid for pid, name in _procs(engine) if name == ENGINE_CORE]
+        core = engine.processes["engine_core"]
         threading.Timer(0.3, os.kill, (core, signal.SIGKILL)).start()
         t0 = time.monotonic()
         with pytest.raises(EngineFailure, match="EngineCore died during loading") as died:
@@ -165,12 +165,6 @@ def test_an_engine_core_that_dies_during_a_weight_load_ends_the_load_at_once(
         assert died.value.fatal and time.monotonic() - t0 < 15
     finally:
         engine.close()
-
-
-def _procs(engine: Any) -> list[tuple[int, str]]:
-    from workers.rollout.engines.vllm import engine_processes
-
-    return engine_processes(os.getpid()) if engine.engine_pids() else []
 
 
 def test_the_engine_refuses_a_mismatched_build_or_head_size(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from orchestrator.db.engine import Database
 from orchestrator.services.drills import Drills
 from tests.chaos.test_faults import _config, _driver, _wait
 from tests.integration.buffer_helpers import rows, scalar
-from workers.rollout.engines.vllm import all_engine_processes, engine_processes
+from workers.rollout.engines.vllm import _alive, engine_processes
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -90,17 +90,20 @@ def test_a_job_with_a_vllm_node_survives_engine_death_hang_and_actor_loss(
 
         # the Ray actor SIGKILLed: none of its vLLM processes may be left
         _wait("a live node", lambda: scalar(engine, loaded) is not None)
-        pid = _rollout_pid(engine)
-        theirs = {p for p, _ in engine_processes(pid)}
-        assert len(theirs) >= 2, theirs  # EngineCore and its worker
+        recorded = scalar(
+            engine,
+            "SELECT info->'engine_processes' FROM workers WHERE role = 'rollout' "
+            "AND status = 'alive' ORDER BY id DESC LIMIT 1",
+        )
+        theirs = {int(recorded["engine_core"]), *recorded["engine_workers"]}
+        assert len(theirs) >= 2 and all(_alive(p) for p in theirs), (
+            recorded,
+            engine_processes(_rollout_pid(engine)),
+        )  # EngineCore and its worker
         lost = drills.kill_rollout(1, "KILL")[0]
         print("kill-rollout --signal KILL:", json.dumps(lost.to_json()))
         assert lost.passed, lost.to_json()
-        _wait(
-            "the killed actor's vLLM processes gone",
-            lambda: not theirs & {p for p, _ in all_engine_processes()},
-            30,
-        )
+        _wait("the killed actor's vLLM processes gone", lambda: not any(map(_alive, theirs)), 30)
         before = scalar(engine, "SELECT max(step) FROM train_steps")
         _wait(
             "training goes on", lambda: scalar(engine, "SELECT max(step) FROM train_steps") > before

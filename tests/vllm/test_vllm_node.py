@@ -20,7 +20,7 @@ from orchestrator.db.engine import Database
 from tests.chaos.test_faults import _wait
 from tests.integration.buffer_helpers import rows, scalar
 from workers.rollout.agent import Limits
-from workers.rollout.engines.vllm import ENGINE_CORE, all_engine_processes, engine_processes
+from workers.rollout.engines.vllm import _alive, engine_processes
 from workers.rollout.node import NodeConfig, rollout_actor
 
 pytestmark = pytest.mark.timeout(600)
@@ -53,7 +53,6 @@ def test_a_vllm_node_survives_a_failed_load_and_gives_back_a_dead_engines_leases
         )  # fmt: skip
     buffer = BufferConfig(batch_groups=2)
     Buffer(db, 1, buffer).seed()
-    before = {pid for pid, _ in all_engine_processes()}
     node = rollout_actor(num_cpus=1).remote(
         db_url,
         1,
@@ -71,8 +70,10 @@ def test_a_vllm_node_survives_a_failed_load_and_gives_back_a_dead_engines_leases
     ready = "SELECT count(*) FROM trajectories WHERE status = 'ready'"
     _wait("first commits", lambda: scalar(engine, ready) >= 2, 240)
     actor_pid = int(scalar(engine, "SELECT pid FROM workers"))
-    mine = engine_processes(actor_pid)
-    assert sum(name == ENGINE_CORE for _, name in mine) == 1, mine
+    recorded = scalar(engine, "SELECT info->'engine_processes' FROM workers")
+    core = int(recorded["engine_core"])
+    mine = {core, *recorded["engine_workers"]}
+    assert all(_alive(p) for p in mine), (recorded, engine_processes(actor_pid))
 
     # 1. a corrupt version: vLLM refuses it, the node serves nothing and claims nothing
     corrupt = tmp_path / "weights" / "v000001"
@@ -102,7 +103,6 @@ def test_a_vllm_node_survives_a_failed_load_and_gives_back_a_dead_engines_leases
     held = f"SELECT id, attempts FROM episodes WHERE status = 'leased' AND lease_owner = {report['worker_id']}"
     _wait("episodes in flight", lambda: rows(engine, held), 60)
     attempts = dict(rows(engine, held))
-    (core,) = [pid for pid, name in engine_processes(actor_pid) if name == ENGINE_CORE]
     t0 = time.monotonic()
     os.kill(core, signal.SIGKILL)
     with pytest.raises(Exception, match="EngineFailure"):
@@ -120,8 +120,4 @@ def test_a_vllm_node_survives_a_failed_load_and_gives_back_a_dead_engines_leases
 
     # 4. the actor SIGKILLed: no vLLM process of it is left
     os.kill(actor_pid, signal.SIGKILL)
-    _wait(
-        "no vLLM process left",
-        lambda: not ({pid for pid, _ in all_engine_processes()} - before),
-        30,
-    )
+    _wait("no vLLM process left", lambda: not any(_alive(p) for p in mine), 30)

@@ -120,8 +120,13 @@ class RolloutNode:
         self.engine: Engine = self.batcher or self.base_engine
         self.tokenizer = self.base_engine.tokenizer
         # Registered once the engine is up: liveness is judged from here on.
+        processes = getattr(self.base_engine, "processes", None)  # vLLM's own processes
         self.worker = self.buffer.register_worker(
-            config.name, host=socket.gethostname(), pid=os.getpid(), node_id=_ray_node_id()
+            config.name,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            node_id=_ray_node_id(),
+            info={"engine_processes": processes} if processes else None,
         )
         self.stats = NodeStats()
         self._lock = threading.Lock()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -37,16 +38,18 @@ class WorkerRepository:
         host: str | None = None,
         pid: int | None = None,
         node_id: str | None = None,
+        info: dict[str, Any] | None = None,
     ) -> WorkerView:
-        """A new incarnation of the slot ``name`` (incarnation = previous + 1), alive now."""
+        """A new incarnation of the slot ``name`` (incarnation = previous + 1), alive now.
+        ``info``: what the worker says of itself (a vLLM node: its engine's process ids)."""
         row = self.session.execute(
             text(
                 """
                 INSERT INTO workers (job_id, role, name, incarnation, status, host, pid, node_id,
-                                     restarts)
+                                     restarts, info)
                 SELECT :j, CAST(:role AS worker_role), CAST(:name AS varchar),
                        coalesce(max(incarnation) + 1, 0), 'alive', :host, :pid, :node,
-                       coalesce(max(incarnation) + 1, 0)
+                       coalesce(max(incarnation) + 1, 0), CAST(:info AS jsonb)
                 FROM workers WHERE job_id = :j AND name = CAST(:name AS varchar)
                 RETURNING id, job_id, role::text, name, incarnation, status::text,
                           last_heartbeat_at, loaded_version
@@ -59,9 +62,17 @@ class WorkerRepository:
                 "host": host,
                 "pid": pid,
                 "node": node_id,
+                "info": json.dumps(info or {}),
             },
         ).one()
         return _view(row)
+
+    def info(self, worker_id: int) -> dict[str, Any]:
+        """What the worker said of itself when it registered."""
+        got = self.session.execute(
+            text("SELECT info FROM workers WHERE id = :w"), {"w": worker_id}
+        ).scalar_one_or_none()
+        return dict(got or {})
 
     def heartbeat(
         self, worker_id: int, tokens_generated: int = 0, loaded_version: int | None = None

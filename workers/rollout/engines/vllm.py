@@ -207,10 +207,10 @@ class RollcallWorkerExtension:
             )
         return {"tensors": len(state), "parameters": len(expected)}
 
-    def rollcall_watch(self, owner_pid: int, interval_s: float = 0.5) -> int:
+    def rollcall_watch(self, owner_pid: int, interval_s: float = 0.5) -> tuple[int, int]:
         """Start the watchdog: once the EngineCore (this worker's parent) is no longer a child
         of ``owner_pid`` (the process that started vLLM died), kill the EngineCore and exit.
-        Returns this worker's pid."""
+        Returns (the EngineCore's pid, this worker's pid)."""
         core = os.getppid()
 
         def watch() -> None:
@@ -222,7 +222,7 @@ class RollcallWorkerExtension:
                     os._exit(1)
 
         threading.Thread(target=watch, name="rollcall-watchdog", daemon=True).start()
-        return os.getpid()
+        return core, os.getpid()
 
 
 class VLLMEngine:
@@ -273,6 +273,7 @@ class VLLMEngine:
             if getattr(config, name) is not None:
                 kwargs[name] = getattr(config, name)
         args = AsyncEngineArgs(**kwargs)
+        self.processes: dict[str, Any] = {}  # set once started (rollcall_watch)
         self._version = version
         self._tokens = 0
         self._requests = 0
@@ -290,11 +291,18 @@ class VLLMEngine:
             self._engine, self._gate = self._call(
                 self._start(args), config.start_timeout_s, "starting vLLM"
             )
-            self._call(
+            watched = self._call(
                 self._engine.collective_rpc("rollcall_watch", args=(os.getpid(),)),
                 config.load_timeout_s,
                 "starting the watchdog",
             )
+            # (EngineCore pid, worker pid) as the worker saw them: what drills and orphan
+            # checks use, whatever the processes are named
+            core_pid = int(watched[0][0])
+            self.processes = {
+                "engine_core": core_pid,
+                "engine_workers": [int(w[1]) for w in watched],
+            }
         except BaseException:
             self._stop_loop()
             kill_engine_processes()
@@ -337,8 +345,9 @@ class VLLMEngine:
         return self._dead
 
     def engine_pids(self) -> list[int]:
-        """The pids of vLLM's processes under this one (EngineCore, its workers)."""
-        return [pid for pid, _ in engine_processes(os.getpid())]
+        """The pids of vLLM's processes (EngineCore, its workers) that are still alive."""
+        pids = [self.processes.get("engine_core"), *self.processes.get("engine_workers", [])]
+        return [int(pid) for pid in pids if pid and _alive(int(pid))]
 
     def close(self) -> None:
         if self._closed:
@@ -350,7 +359,7 @@ class VLLMEngine:
                     self._call(self._shutdown(), 60.0, "shutting vLLM down")
         finally:
             self._stop_loop()
-            kill_engine_processes()
+            kill_engine_processes(self.engine_pids())
 
     # -- on the engine's event loop -------------------------------------------------------------
 
@@ -583,11 +592,20 @@ def all_engine_processes() -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def kill_engine_processes() -> None:
-    """SIGKILL what is left of vLLM's processes under this one."""
-    for pid, _ in engine_processes(os.getpid()):
+def kill_engine_processes(pids: Collection[int] = ()) -> None:
+    """SIGKILL what is left of vLLM's processes: ``pids`` and any under this one."""
+    for pid in {*pids, *(p for p, _ in engine_processes(os.getpid()))}:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """A live process (not a zombie) of that pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def _plain(step: Mapping[int, Any]) -> dict[int, float]:
