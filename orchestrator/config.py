@@ -255,7 +255,20 @@ class RolloutConfig(StrictModel):
     start_timeout_s: float = Field(
         default=120.0,
         gt=0,
-        description="a (re)started node that has not registered by then is killed and retried",
+        description="a (re)started node that has not registered by then (its process never "
+        "came up) is killed and retried; the restart counts against max_restarts",
+    )
+    engine_start_timeout_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="a registered node whose engine is not up by then (while it beats, it is "
+        "starting, not dead) is killed and retried; counts against max_restarts",
+    )
+    breaker_failures: int = Field(
+        default=3,
+        ge=1,
+        description="episodes a node fails in a row before it stops claiming, gives its "
+        "leases back (not counted) and is restarted",
     )
 
     @model_validator(mode="after")

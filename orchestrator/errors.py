@@ -32,6 +32,12 @@ class SchemaError(UserError):
     exit_code = 5
 
 
+class JobFailedError(UserError):
+    """The job cannot go on (every rollout node is over its restart budget)."""
+
+    exit_code = 7
+
+
 class StaleLeaseError(Exception):
     """A write by a worker whose lease on the episode has moved on (fencing). Nothing of the
     write was applied; the rejection is counted on the task (``fenced_rejections``)."""

@@ -196,18 +196,22 @@ class Buffer:
 
     @timed
     @retry_transient
-    def give_back(self, worker_id: int, reason: str) -> SweepResult:
-        """A rollout node whose engine failed gives up: it is marked dead and every lease it
-        holds is requeued at once, not counted as an attempt of the episode (a broken engine
+    def give_back(
+        self, worker_id: int, reason: str, kind: str = "worker.engine_failed"
+    ) -> SweepResult:
+        """A rollout node that is broken gives up (its engine failed, or its breaker tripped:
+        ``kind`` names which, as the event's kind): it is marked dead and every lease it
+        holds is requeued at once, not counted as an attempt of the episode (a broken node
         is not a poison input); the next claimer resumes from the checkpoints."""
+        what = "engine failed" if kind == "worker.engine_failed" else "breaker tripped"
         with self.db.transaction() as tx:
             tx.workers.set_status(worker_id, WorkerStatus.DEAD)
             rows = tx.episodes.lock_worker_leases(worker_id)
-            result = self._requeue(tx, rows, f"engine failed: {reason}", counted=False)
+            result = self._requeue(tx, rows, f"{what}: {reason}", counted=False)
             tx.events.add(
-                "worker.engine_failed",
+                kind,
                 ACTOR,
-                f"worker {worker_id}: engine failed ({reason}); {result.requeued} leases "
+                f"worker {worker_id}: {what} ({reason}); {result.requeued} leases "
                 "given back (not counted as attempts)",
                 job_id=self.job_id,
                 payload={"worker_id": worker_id, "reason": reason, "requeued": result.requeued},
@@ -253,6 +257,14 @@ class Buffer:
 
     @timed
     @retry_transient
+    def mark_worker_alive(self, worker_id: int, info: dict[str, Any] | None = None) -> bool:
+        """A rollout node registered ``starting`` is up (its engine answers); False when it was
+        declared dead meanwhile."""
+        with self.db.transaction() as tx:
+            return tx.workers.mark_alive(worker_id, info)
+
+    @timed
+    @retry_transient
     def heartbeat(
         self, worker_id: int, tokens_generated: int = 0, loaded_version: int | None = None
     ) -> list[tuple[int, int]]:
@@ -263,12 +275,17 @@ class Buffer:
     @timed
     @retry_transient
     def beat(
-        self, worker_id: int, tokens_generated: int = 0, loaded_version: int | None = None
+        self,
+        worker_id: int,
+        tokens_generated: int = 0,
+        loaded_version: int | None = None,
+        progress: bool = False,
     ) -> tuple[bool, list[tuple[int, int]]]:
         """``heartbeat`` that also says whether the worker is still alive: False once it has
-        been declared dead (it must stop; a new incarnation takes its place)."""
+        been declared dead (it must stop; a new incarnation takes its place). ``progress``: the
+        worker proved it works without generating tokens (a probe or a weight load ended)."""
         with self.db.transaction() as tx:
-            if not tx.workers.heartbeat(worker_id, tokens_generated, loaded_version):
+            if not tx.workers.heartbeat(worker_id, tokens_generated, loaded_version, progress):
                 return False, []
             return True, tx.episodes.renew(worker_id, self.config.lease_s)
 

@@ -37,7 +37,7 @@ from orchestrator.buffer.service import Buffer
 from orchestrator.config import RollcallConfig
 from orchestrator.db.engine import Database
 from orchestrator.db.notify import GroupsListener
-from orchestrator.errors import ConflictError, NotFoundError, UserError
+from orchestrator.errors import ConflictError, JobFailedError, NotFoundError, UserError
 from orchestrator.runner.progress import Progress, Snapshot
 from orchestrator.runner.rundir import RunDir
 
@@ -90,6 +90,8 @@ class JobDriver:
         # Fault-injection seam for chaos tests and drills: called by name at points of a step
         # ("after_train": the optimizer stepped, nothing checkpointed or committed yet).
         self.fault_hooks: dict[str, Callable[[JobDriver], None]] = {}
+        # ... and per rollout node slot, a "module:callable" that wraps its engine
+        self.engine_hooks: dict[int, str] = {}
         self._stop_requested = threading.Event()
         self.trainer: Any = None
         self.evaluator: Any = None
@@ -258,6 +260,7 @@ class JobDriver:
             restart_window_s=r.restart_window_s,
             backoff_base_s=r.restart_backoff_s,
             start_timeout_s=r.start_timeout_s,
+            engine_start_timeout_s=r.engine_start_timeout_s,
             say=lambda m: self.console.print(m, markup=False),
         )
 
@@ -286,6 +289,8 @@ class JobDriver:
                 engine=r.engine,
                 seed=self.cfg.run.seed * 1000 + index,
                 threads=max(1, int(r.cpus_per_node)),
+                breaker_failures=r.breaker_failures,
+                engine_hook=self.engine_hooks.get(index),
             ),
             self.cfg.buffer,
         )
@@ -395,6 +400,7 @@ class JobDriver:
                 batch = self.buffer.claim_batch(self.step, min_groups=cfg.buffer.batch_groups)
                 start_after_step()
                 if not batch.groups:
+                    self._check_nodes_left()
                     if time.monotonic() - refreshed >= WAIT_POLL_S:
                         snap.waiting = "waiting for a full batch from the rollout nodes"
                         self._refresh(snap, started, train_s, steps_this_run)
@@ -458,6 +464,22 @@ class JobDriver:
             final_dir=final_dir,
             stopped_early=stopped_early,
         )
+
+    def _check_nodes_left(self) -> None:
+        """Every rollout node slot is over its restart budget: nothing will fill a batch."""
+        sup = self.supervisor
+        if sup is not None and sup.all_failed:
+            why = "; ".join(sup.failures())
+            self.buffer.event(
+                "job.no_rollout_nodes",
+                f"every rollout node failed; the job stops at step {self.step}: {why}",
+                {"step": self.step, "failures": sup.failures()},
+            )
+            raise JobFailedError(
+                f"job {self.cfg.job.name!r} stopped at step {self.step}: every rollout node "
+                f"failed over its restart budget (rollout.max_restarts); fix the cause and "
+                f"continue with --resume ({why})"
+            )
 
     def _train_step(self, batch: Any) -> dict[str, Any]:
         """The step's critical path, up to its commit: plan, train, checkpoint, publish,

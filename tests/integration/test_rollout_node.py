@@ -108,3 +108,79 @@ def test_node_abandons_an_episode_whose_lease_moved_on(
     )
     assert scalar(engine, "SELECT fenced_rejections FROM tasks") >= 1
     node.stop()
+
+
+def _wait_for(what: str, cond: Any, timeout_s: float = 60.0) -> Any:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if got := cond():
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_lease_the_node_does_not_work_on_is_given_back_not_renewed(
+    tiny_dir: Path, db: Database, db_url: str, engine: sa.Engine
+) -> None:
+    """In-process: a claim whose answer was lost after the database committed it leaves a lease
+    the node holds but knows nothing of. Its beats must not renew it for the node's whole life:
+    within a few beats it is given back, not counted as an attempt."""
+    from orchestrator.buffer.service import Buffer
+
+    add_tasks(db, {"name": "echo", "group_size": 1, "max_staleness": 0})
+    buffer = BufferConfig(batch_groups=1)
+    buf = Buffer(db, 1, buffer)
+    buf.seed()
+    node = RolloutNode(
+        db_url,
+        1,
+        NodeConfig(name="r0", model_dir=str(tiny_dir), concurrency=1, heartbeat_interval_s=0.3),
+        buffer,
+    )
+    try:
+        claim = buf.claim(node.worker.id)  # committed for the node; the node never heard of it
+        assert claim is not None
+        e = claim.lease.episode_id
+        sql = "SELECT status::text, attempts FROM episodes WHERE id = :e"
+        _wait_for("the orphan lease given back", lambda: rows(engine, sql, e=e)[0][0] == "queued")
+        assert rows(engine, sql, e=e)[0] == ("queued", 0)  # not counted
+        assert node.orphans_released == 1
+    finally:
+        node.stop()
+        node._beats_stop.set()
+
+
+def test_an_agent_loop_that_dies_gives_its_episode_back(
+    tiny_dir: Path, db: Database, db_url: str, engine: sa.Engine
+) -> None:
+    """In-process: an agent thread that dies holding an episode (an exception no handler
+    catches) does not leave its lease renewed by the node's beats: it is given back."""
+    from orchestrator.buffer.service import Buffer
+
+    add_tasks(db, {"name": "echo", "group_size": 1, "max_staleness": 0})
+    buffer = BufferConfig(batch_groups=1)
+    Buffer(db, 1, buffer).seed()
+    node = RolloutNode(
+        db_url,
+        1,
+        NodeConfig(
+            name="r0",
+            model_dir=str(tiny_dir),
+            concurrency=1,
+            heartbeat_interval_s=0.3,
+            engine_hook="tests.support.faults:deadly",
+        ),
+        buffer,
+    )
+    try:
+        node.run(max_episodes=1)  # its only loop dies on its first generate call
+        e = scalar(engine, "SELECT min(id) FROM episodes")
+        sql = "SELECT status::text, attempts FROM episodes WHERE id = :e"
+        _wait_for("the episode given back", lambda: rows(engine, sql, e=e)[0][0] == "queued", 20)
+        assert rows(engine, sql, e=e)[0] == ("queued", 0)
+        assert scalar(engine, "SELECT count(*) FROM episodes WHERE status = 'leased'") == 0
+    finally:
+        node.stop()
+        node._beats_stop.set()

@@ -34,3 +34,34 @@ def test_ray_reporting_the_machine_gone_is_a_lost_machine() -> None:
     from ray.exceptions import NodeDiedError
 
     assert _machine_lost(NodeDiedError("node abc died"))
+
+
+def _actor_died(**context: object) -> BaseException:
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
+
+    return ActorDiedError(
+        ActorDiedErrorContext(class_name="RolloutNode", actor_id=b"\x01" * 16, pid=42, **context)
+    )
+
+
+def test_a_killed_node_on_a_live_machine_counts_against_its_budget(ray_local: object) -> None:
+    # "The actor died unexpectedly ... class_name: RolloutNode ... worker process has died":
+    # the old text match read "node" and "died" as a lost machine, so a node killed every
+    # minute never used up its budget. Judged from Ray's node table: its machine is alive.
+    import ray
+
+    e = _actor_died(error_message="The actor is dead because its worker process has died.")
+    assert not _machine_lost(e, ray.get_runtime_context().get_node_id())
+    assert not _machine_lost(e)  # no node recorded: counted
+
+
+def test_a_node_whose_constructor_raised_counts_against_its_budget() -> None:
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    error = FileNotFoundError("model folder /nope has no config.json")
+    tb = f"ray::RolloutNode.__init__() (pid=4242, ip=127.0.0.1)\nFileNotFoundError: {error}"
+    cause = RayTaskError("RolloutNode.__init__", tb, error, actor_id="01" * 16)
+    e = ActorDiedError(cause)  # as Ray raises it for a constructor that raised
+    assert e.actor_init_failed and not _machine_lost(e)
+    assert _death_reason(e).startswith("constructor raised FileNotFoundError")

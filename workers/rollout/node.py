@@ -32,7 +32,9 @@ checkpoints. What it guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import logging
 import os
 import socket
@@ -46,13 +48,20 @@ from orchestrator.buffer.service import Buffer
 from orchestrator.buffer.types import ClaimedEpisode, Lease, SampleState
 from orchestrator.config import BufferConfig, EngineConfig, HFEngineConfig
 from orchestrator.db.engine import open_database
+from orchestrator.domain import WorkerStatus
 from orchestrator.errors import StaleLeaseError
 from tasks import registry
 from tasks.base import TaskPlugin, TaskSpec
 from workers.rollout.agent import AgentLoop, Limits, Trajectory
-from workers.rollout.engines.base import Engine, EngineFailure, GenerationRequest
+from workers.rollout.engines.base import (
+    Engine,
+    EngineFailure,
+    EngineHealth,
+    Generation,
+    GenerationRequest,
+)
 from workers.rollout.engines.batching import BatchingEngine
-from workers.rollout.engines.factory import make_engine
+from workers.rollout.engines.factory import make_engine, preload
 from workers.rollout.tools import ToolRunner
 
 log = logging.getLogger(__name__)
@@ -70,6 +79,13 @@ class NodeConfig:
     engine: EngineConfig = field(default_factory=HFEngineConfig)
     seed: int = 0
     threads: int = 0  # torch threads of the engine (0: torch's default)
+    # episodes failed in a row after which the node stops claiming, gives its leases back
+    # (not counted) and ends, to be restarted: a broken node must not quarantine good inputs
+    breaker_failures: int = 3
+    # "module:callable[:arg]" applied to the engine once built (``callable(engine[, arg])``): a
+    # fault-injection seam for tests and drills (e.g. an engine that fails every call), never
+    # set by a config file
+    engine_hook: str | None = None
 
 
 @dataclass
@@ -83,6 +99,34 @@ class _Work:
     todo: deque[SampleState]  # samples not started yet
     running: int = 0  # samples being rolled out now
     failed: bool = False  # released or abandoned: no further sample starts
+
+
+class _Guarded:
+    """The engine as the agent loops see it: an exception raised inside the engine (not by the
+    task's code) becomes ``EngineFailure`` (not fatal), so it is never counted as an attempt of
+    the episode; a dead engine's fatal ``EngineFailure`` passes as it is."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.inner = engine
+        self.tokenizer = engine.tokenizer
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
+        try:
+            return self.inner.generate(requests)
+        except EngineFailure:
+            raise
+        except Exception as e:  # out of memory, a kernel error, a broken engine
+            raise EngineFailure(f"the engine raised {type(e).__name__}: {e}", fatal=False) from e
+
+    def load_weights(self, version: int, location: str) -> None:
+        self.inner.load_weights(version, location)
+
+    def health(self) -> EngineHealth:
+        return self.inner.health()
 
 
 class LeaseLost(Exception):
@@ -102,34 +146,28 @@ class NodeStats:
     weight_load_s_total: float = 0.0
 
 
+class NodeBroken(EngineFailure):
+    """The node's breaker tripped: it failed ``breaker_failures`` episodes in a row. The node
+    gives its leases back (not counted) and ends; the supervisor restarts it (counted)."""
+
+
 class RolloutNode:
     def __init__(
         self, database_url: str, job_id: int, config: NodeConfig, buffer: BufferConfig | None = None
     ) -> None:
         self.config = config
-        self.db = open_database(database_url, pool_size=config.concurrency + 2)
+        preload(config.engine)  # before registering: imports stall every thread (see preload)
+        self.db = open_database(database_url, pool_size=config.concurrency + 3)
         self.buffer = Buffer(self.db, job_id, buffer or BufferConfig())
-        self.base_engine = make_engine(
-            config.engine, config.model_dir, seed=config.seed, threads=config.threads
-        )
-        # The agent loops share one generate call (BatchingEngine), unless the engine batches
-        # concurrent requests itself (vLLM): then each loop's request goes to it directly.
-        self.batcher: BatchingEngine | None = None
-        if not getattr(self.base_engine, "batches_itself", False):
-            self.batcher = BatchingEngine(self.base_engine, max_batch=max(1, config.concurrency))
-        self.engine: Engine = self.batcher or self.base_engine
-        self.tokenizer = self.base_engine.tokenizer
-        # Registered once the engine is up: liveness is judged from here on.
-        processes = getattr(self.base_engine, "processes", None)  # vLLM's own processes
+        # Registered ``starting`` before the engine loads, and beating from then on: a node
+        # whose start is slow (imports, a model load on a busy machine) shows it is alive, and
+        # the supervisor tells it from one that never came up.
         self.worker = self.buffer.register_worker(
-            config.name,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            node_id=_ray_node_id(),
-            info={"engine_processes": processes} if processes else None,
-        )
+            config.name, host=socket.gethostname(), pid=os.getpid(), node_id=_ray_node_id(),
+            status=WorkerStatus.STARTING,
+        )  # fmt: skip
         self.stats = NodeStats()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the stats and the lease sets; never held across I/O
         self._load_lock = threading.Lock()
         self._lost: set[tuple[int, int]] = set()
         self._active: set[tuple[int, int]] = set()
@@ -147,12 +185,50 @@ class RolloutNode:
         self._beats_stop = threading.Event()
         self.declared_dead = False
         self._engine_error: str | None = None  # the engine died: the node ends
+        self._broken: str | None = None  # the breaker tripped: the node ends
         self._weights_error: str | None = None  # the last load failed: no claims until one works
         self._bad_version = -1  # the version whose load failed (not retried)
+        self._streak = 0  # episodes failed in a row (the breaker)
+        self._progress = 0  # probes and weight loads that ended (progress without tokens)
+        self._reported_progress = 0
         self._reported_tokens = 0
-        self._sync_weights()
+        self._unknown: set[tuple[int, int]] = set()  # leases held that no loop works on
+        self._claims_started = 0  # claims begun (orphans are judged between beats' claims)
+        self.orphans_released = 0
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self._heartbeat.start()
+        try:
+            self._start_engine()
+        except BaseException:
+            self._beats_stop.set()
+            raise
+        self._upkeep = threading.Thread(target=self._tend, name="upkeep", daemon=True)
+        self._upkeep.start()
+
+    def _start_engine(self) -> None:
+        config = self.config
+        engine = make_engine(
+            config.engine, config.model_dir, seed=config.seed, threads=config.threads
+        )
+        if config.engine_hook:  # fault injection (tests, drills): wraps the engine
+            module, _, rest = config.engine_hook.partition(":")
+            name, _, arg = rest.partition(":")
+            hook = getattr(importlib.import_module(module), name)
+            engine = hook(engine, arg) if arg else hook(engine)
+        self.base_engine = engine
+        # The agent loops share one generate call (BatchingEngine), unless the engine batches
+        # concurrent requests itself (vLLM): then each loop's request goes to it directly.
+        self.batcher: BatchingEngine | None = None
+        if not getattr(engine, "batches_itself", False):
+            self.batcher = BatchingEngine(engine, max_batch=max(1, config.concurrency))
+        # Whatever the engine raises is the engine's failure, not the episode's (not counted)
+        self.engine: Engine = _Guarded(self.batcher or engine)
+        self.tokenizer = engine.tokenizer
+        self._sync_weights()
+        processes = getattr(engine, "processes", None)  # vLLM's own processes
+        info = {"engine_processes": processes} if processes else None
+        if not self.buffer.mark_worker_alive(self.worker.id, info):
+            raise RuntimeError(f"{config.name}: declared dead while its engine started")
 
     # -- remote API ---------------------------------------------------------------------------
 
@@ -176,6 +252,9 @@ class RolloutNode:
         if self._engine_error is not None:
             self._beats_stop.set()
             raise EngineFailure(f"{self.config.name}: {self._engine_error}")
+        if self._broken is not None:
+            self._beats_stop.set()
+            raise NodeBroken(f"{self.config.name}: {self._broken}")
         self._beat_once()
         if self._stop.is_set():
             self._beats_stop.set()
@@ -208,6 +287,8 @@ class RolloutNode:
             "process_cpu_s": time.process_time(),
             "engine_error": self._engine_error,
             "weights_error": self._weights_error,
+            "broken": self._broken,
+            "orphans_released": self.orphans_released,
         }
 
     def stop(self) -> None:
@@ -235,6 +316,8 @@ class RolloutNode:
                         continue
                 idle_since = time.monotonic()
                 self._run_sample(*job, runner)
+        except BaseException:  # a dead loop's episode is released by the lease reconciliation
+            log.exception("agent loop died")
         finally:
             runner.close()
 
@@ -251,8 +334,12 @@ class RolloutNode:
                 return True, None
             if budget is not None and not budget.acquire(blocking=False):
                 return False, None
+            with self._lock:
+                self._claims_started += 1
             claim = self.buffer.claim(self.worker.id)
             if claim is not None:
+                with self._lock:  # known from here on (the beats renew it and do not orphan it)
+                    self._active.add((claim.lease.episode_id, claim.lease.epoch))
                 self._load_if_newer(claim.published_weights)
             if claim is None:
                 if budget is not None:
@@ -295,8 +382,17 @@ class RolloutNode:
     def _admit(self, claim: ClaimedEpisode) -> tuple[_Work, SampleState] | None:
         """Register a claimed episode: its samples to run become pending for the node's loops;
         the first is returned to the claiming loop (None when none is left to run)."""
-        plugin = registry.get(claim.plugin)
-        spec = plugin.Spec.model_validate(claim.spec)
+        lease = claim.lease
+        try:
+            plugin = registry.get(claim.plugin)
+            spec = plugin.Spec.model_validate(claim.spec)
+        except Exception as e:  # the episode's task cannot be read: the episode's failure
+            log.exception("episode %s cannot be started", lease.episode_id)
+            with self._lock:
+                self._active.discard((lease.episode_id, lease.epoch))
+            with contextlib.suppress(StaleLeaseError):
+                self.buffer.release(lease, f"{type(e).__name__}: {e}")
+            return None
         limits = Limits(
             max_turns=spec.max_turns,
             max_tokens_per_turn=self.config.limits.max_tokens_per_turn,
@@ -305,7 +401,6 @@ class RolloutNode:
         )
         todo = deque(s for s in claim.samples if s.status != "ready")
         work = _Work(claim, plugin, spec, limits, todo)
-        lease = claim.lease
         with self._work_cv:
             self._active.add((lease.episode_id, lease.epoch))
             self._group_hint = max(1, claim.group_size)
@@ -352,6 +447,7 @@ class RolloutNode:
             self.buffer.commit(lease, sample.sample_index, t.payload(), outcome.reward, info)
             with self._lock:
                 self.stats.samples_committed += 1
+                self._streak = 0
         except (LeaseLost, StaleLeaseError):
             self._fail(work, None)
         except EngineFailure as e:  # the engine's failure, not the episode's: not counted
@@ -361,6 +457,9 @@ class RolloutNode:
         except Exception as e:  # a failure of this episode's rollout: give it back, counted
             log.exception("episode %s failed", lease.episode_id)
             self._fail(work, e)
+        except BaseException as e:  # the loop itself dies: give the episode back, not counted
+            self._fail(work, EngineFailure(f"agent loop died: {e!r}", fatal=False), counted=False)
+            raise
         finally:
             with self._work_cv:
                 work.running -= 1
@@ -380,6 +479,17 @@ class RolloutNode:
             work.failed = True
             work.todo.clear()
             self._lost.add((lease.episode_id, lease.epoch))
+        trip = None
+        if error is not None:
+            with self._lock:
+                self._streak += 1
+                streak = self._streak
+            # After a failure, the node itself is suspect: a second failure in a row is not
+            # counted against the episode (a poison input fails on every node; a broken node
+            # fails every input), and ``breaker_failures`` in a row trip the breaker.
+            counted = counted and streak == 1
+            if streak >= self.config.breaker_failures:
+                trip = f"{streak} episodes failed in a row (last: {type(error).__name__}: {error})"
         released = False
         # An error: the episode goes back to the queue, counted as an attempt. A lost lease:
         # normally it has moved on and the release is refused; if this node still holds it
@@ -399,6 +509,8 @@ class RolloutNode:
                 self.stats.episodes_released += 1
             else:
                 self.stats.episodes_abandoned += 1
+        if trip is not None:
+            self._give_up(trip, broken=True)
 
     def _finish(self, work: _Work) -> None:
         """Called with ``_work_cv`` held when the episode's last sample is done."""
@@ -451,59 +563,122 @@ class RolloutNode:
     def _engine_died(self, reason: str) -> None:
         """The engine is dead: stop claiming, give back every lease at once (not counted as
         attempts) and end; ``run`` raises so the supervisor restarts the node."""
+        self._give_up(reason, broken=False)
+
+    def _give_up(self, reason: str, *, broken: bool) -> None:
+        """The engine died, or (``broken``) the breaker tripped: stop claiming, give back every
+        lease at once (not counted as attempts), with an event, and end: ``run`` raises, so the
+        supervisor restarts the node (a new engine, counted against the slot's budget)."""
         with self._lock:
-            if self._engine_error is not None:
+            if self._engine_error is not None or self._broken is not None:
                 return
-            self._engine_error = reason
-        log.error("%s: engine failed (%s); giving back its episodes", self.config.name, reason)
+            if broken:
+                self._broken = reason
+            else:
+                self._engine_error = reason
+        what = "breaker tripped" if broken else "engine failed"
+        log.error("%s: %s (%s); giving back its episodes", self.config.name, what, reason)
         self._stop.set()
         with self._work_cv:
             self._work_cv.notify_all()
+        kind = "worker.breaker_tripped" if broken else "worker.engine_failed"
         try:
-            self.buffer.give_back(self.worker.id, reason)
+            self.buffer.give_back(self.worker.id, reason, kind)
         except Exception:  # the database is away: the sweep requeues them once it is back
-            log.warning("could not give back the leases of a failed engine", exc_info=True)
+            log.warning("could not give back the leases of a broken node", exc_info=True)
 
     def _load(self, version: int, location: str) -> None:
         t0 = time.perf_counter()
         self.engine.load_weights(version, location)
         took = time.perf_counter() - t0
         with self._lock:
+            self._progress += 1
             self.stats.weight_loads += 1
             self.stats.weight_load_s_last = took
             self.stats.weight_load_s_total += took
 
     def _beat_once(self) -> None:
-        tokens = self.base_engine.health().tokens_generated
+        """One heartbeat: liveness, lease renewal and the progress made since the last beat.
+        It reads counters only: it never waits on the engine, a weight load or an agent loop,
+        so a slow or busy node keeps beating (a hung one stops making progress instead)."""
+        engine = getattr(self, "base_engine", None)
+        tokens = engine.health().tokens_generated if engine is not None else 0
+        version = engine.version if engine is not None else None
         with self._lock:  # only episodes admitted before the beat's query can be missing from it
             before = set(self._active)
+            progress = self._progress
+            claims = self._claims_started
         alive, leases = self.buffer.beat(
-            self.worker.id, tokens - self._reported_tokens, loaded_version=self.engine.version
+            self.worker.id,
+            tokens - self._reported_tokens,
+            loaded_version=version,
+            progress=progress != self._reported_progress,
         )
         held = set(leases)
         self._reported_tokens = tokens
+        self._reported_progress = progress
         with self._lock:
             self._lost |= {k for k in before & self._active if k not in held}
+            # A lease the database says this node holds but no loop works on (a claim whose
+            # answer was lost after the database committed it; a loop that died holding it)
+            # is an orphan: seen at two beats in a row with no claim begun between them, it
+            # is given back (not counted) instead of being renewed for the node's whole life.
+            unknown = {k for k in held if k not in self._active}
+            quiet = claims == self._claims_started and not self._claiming_now()
+            orphans = (unknown & self._unknown) if quiet else set()
+            self._unknown = unknown
+        for episode_id, epoch in sorted(orphans):
+            self._release_orphan(episode_id, epoch)
         if not alive:  # declared dead (e.g. after a hang): stop; a new incarnation takes over
             log.warning("worker %s was declared dead; stopping", self.worker.id)
             self.declared_dead = True
             self._stop.set()
             self._beats_stop.set()
 
+    def _claiming_now(self) -> bool:
+        return self._claiming > 0  # a claim in flight may bring a lease not yet admitted
+
+    def _release_orphan(self, episode_id: int, epoch: int) -> None:
+        lease = Lease(episode_id, 0, epoch, self.worker.id)
+        try:
+            self.buffer.release(lease, "orphan lease: the node works on no such episode",
+                                counted=False)  # fmt: skip
+        except StaleLeaseError:
+            return
+        except Exception:
+            log.warning("could not give back orphan lease %s", episode_id, exc_info=True)
+            return
+        with self._lock:
+            self.orphans_released += 1
+        log.warning("gave back orphan lease of episode %s (epoch %s)", episode_id, epoch)
+
     def _probe(self) -> None:
-        """When idle, a one-token generation proves the engine still works (progress); a hung
-        engine blocks this thread, so its heartbeats stop and the node is declared dead."""
+        """When idle, a one-token generation proves the engine still works (progress). It runs
+        on the upkeep thread: a hung engine blocks it, so progress stops (not the beats) and
+        the control plane declares the node hung after ``progress_timeout_s``."""
         with self._lock:
             idle = not self._active
         if idle:
             probe = getattr(self.base_engine, "probe", None)
             if probe is not None:  # the engine's own probe (works while weights are broken)
                 probe()
-                return
-            eos = self.tokenizer.eos_token_id or 0
-            self.engine.generate([GenerationRequest([eos], max_new_tokens=1)])
+            else:
+                eos = self.tokenizer.eos_token_id or 0
+                self.engine.generate([GenerationRequest([eos], max_new_tokens=1)])
+            with self._lock:
+                self._progress += 1
 
     def _beat(self) -> None:
+        """The heartbeat thread: beats only (see ``_beat_once``)."""
+        while not self._beats_stop.wait(self.config.heartbeat_interval_s):
+            try:
+                self._beat_once()
+            except Exception:  # a missed beat is survivable; the lease budget covers it
+                log.exception("heartbeat failed")
+
+    def _tend(self) -> None:
+        """The upkeep thread: asks the engine whether it died (never blocks), probes it when
+        idle, and loads newer weights. It may wait on the engine; the beats do not."""
         while not self._beats_stop.wait(self.config.heartbeat_interval_s):
             try:
                 failure = getattr(self.base_engine, "failure", None)
@@ -511,14 +686,15 @@ class RolloutNode:
                 if reason is not None:
                     self._engine_died(reason)
                     continue
-                self._beat_once()
+                if self._stop.is_set():
+                    continue
                 self._probe()
                 self._sync_weights()
             except EngineFailure as e:
                 if e.fatal:
                     self._engine_died(str(e))
-            except Exception:  # a missed beat is survivable; the lease budget covers it
-                log.exception("heartbeat failed")
+            except Exception:
+                log.exception("upkeep failed")
 
 
 def _ray_node_id() -> str | None:

@@ -39,16 +39,20 @@ class WorkerRepository:
         pid: int | None = None,
         node_id: str | None = None,
         info: dict[str, Any] | None = None,
+        status: WorkerStatus = WorkerStatus.ALIVE,
     ) -> WorkerView:
-        """A new incarnation of the slot ``name`` (incarnation = previous + 1), alive now.
-        ``info``: what the worker says of itself (a vLLM node: its engine's process ids)."""
+        """A new incarnation of the slot ``name`` (incarnation = previous + 1), ``status`` now
+        (``starting``: a rollout node that registers before its engine is up; it beats, and is
+        judged by its heartbeat only until ``mark_alive``). ``info``: what the worker says of
+        itself (a vLLM node: its engine's process ids)."""
         row = self.session.execute(
             text(
                 """
                 INSERT INTO workers (job_id, role, name, incarnation, status, host, pid, node_id,
                                      restarts, info)
                 SELECT :j, CAST(:role AS worker_role), CAST(:name AS varchar),
-                       coalesce(max(incarnation) + 1, 0), 'alive', :host, :pid, :node,
+                       coalesce(max(incarnation) + 1, 0), CAST(:status AS worker_status),
+                       :host, :pid, :node,
                        coalesce(max(incarnation) + 1, 0), CAST(:info AS jsonb)
                 FROM workers WHERE job_id = :j AND name = CAST(:name AS varchar)
                 RETURNING id, job_id, role::text, name, incarnation, status::text,
@@ -63,9 +67,26 @@ class WorkerRepository:
                 "pid": pid,
                 "node": node_id,
                 "info": json.dumps(info or {}),
+                "status": status.value,
             },
         ).one()
         return _view(row)
+
+    def mark_alive(self, worker_id: int, info: dict[str, Any] | None = None) -> bool:
+        """A starting worker is up: ``alive`` from now, its progress clock starting now, and
+        ``info`` merged into what it said of itself. False: it was declared dead meanwhile."""
+        row = self.session.execute(
+            text(
+                """
+                UPDATE workers SET status = 'alive', last_heartbeat_at = now(),
+                    last_progress_at = now(), info = info || CAST(:info AS jsonb)
+                WHERE id = :w AND status IN ('starting', 'alive')
+                RETURNING id
+                """
+            ),
+            {"w": worker_id, "info": json.dumps(info or {})},
+        ).one_or_none()
+        return row is not None
 
     def info(self, worker_id: int) -> dict[str, Any]:
         """What the worker said of itself when it registered."""
@@ -75,22 +96,28 @@ class WorkerRepository:
         return dict(got or {})
 
     def heartbeat(
-        self, worker_id: int, tokens_generated: int = 0, loaded_version: int | None = None
+        self,
+        worker_id: int,
+        tokens_generated: int = 0,
+        loaded_version: int | None = None,
+        progress: bool = False,
     ) -> bool:
-        """Record liveness (and progress when tokens were generated, and the policy version the
-        worker holds when given). False: declared dead."""
+        """Record liveness, and progress when tokens were generated or ``progress`` (a probe or
+        a weight load completed), and the policy version the worker holds when given. False:
+        declared dead."""
         row = self.session.execute(
             text(
                 """
                 UPDATE workers SET last_heartbeat_at = now(),
                     tokens_generated = tokens_generated + :n,
-                    last_progress_at = CASE WHEN :n > 0 THEN now() ELSE last_progress_at END,
+                    last_progress_at = CASE WHEN :n > 0 OR :p THEN now()
+                                            ELSE last_progress_at END,
                     loaded_version = coalesce(CAST(:v AS integer), loaded_version)
                 WHERE id = :w AND status IN ('starting', 'alive')
                 RETURNING id
                 """
             ),
-            {"w": worker_id, "n": tokens_generated, "v": loaded_version},
+            {"w": worker_id, "n": tokens_generated, "v": loaded_version, "p": progress},
         ).one_or_none()
         return row is not None
 
@@ -110,7 +137,8 @@ class WorkerRepository:
     def lock_overdue(
         self, job_id: int, heartbeat_timeout_s: float, progress_timeout_s: float
     ) -> list[dict[str, Any]]:
-        """Live workers whose heartbeat, or (rollout nodes) generation progress, is overdue."""
+        """Live workers whose heartbeat, or (rollout nodes that are up) progress, is overdue. A
+        node still ``starting`` is judged by its heartbeat only: its engine is loading."""
         rows = self.session.execute(
             text(
                 """
@@ -120,7 +148,7 @@ class WorkerRepository:
                 FROM workers
                 WHERE job_id = :j AND status IN ('starting', 'alive')
                   AND (now() - last_heartbeat_at > make_interval(secs => :hb)
-                       OR (role = 'rollout'
+                       OR (role = 'rollout' AND status = 'alive'
                            AND now() - last_progress_at > make_interval(secs => :pg)))
                 ORDER BY id FOR UPDATE SKIP LOCKED
                 """

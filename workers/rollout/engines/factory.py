@@ -13,6 +13,20 @@ from orchestrator.config import (
 from workers.rollout.engines.base import Engine
 
 
+def preload(config: EngineConfig) -> None:
+    """Import the engine's libraries (torch, transformers, vLLM) without building anything. A
+    node does this before it registers: importing them holds the interpreter for seconds at a
+    time (C extensions initialise under the GIL), which no heartbeat thread can run through,
+    so it belongs to the start phase judged by ``start_timeout_s``, not to the beating one."""
+    if isinstance(config, TimingEngineConfig):
+        return
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    if isinstance(config, VLLMEngineConfig):
+        import vllm  # noqa: F401
+
+
 def make_engine(
     config: EngineConfig, model_dir: str | Path, *, seed: int = 0, threads: int = 0
 ) -> Engine:

@@ -1,0 +1,166 @@
+"""Liveness apart from progress, starts apart from deaths, budgets that end crash loops and a
+breaker for broken nodes, on real Ray, real PostgreSQL and the tiny model, with fakes only at
+the engine seam (``tests/support/faults.py``):
+
+- a node whose engine is merely slow (every call 8 s, longer than the heartbeat timeout),
+  under CPU overload (busy loops, 3x the cores), is never declared dead and nothing is
+  requeued; the same engine hung is declared dead for want of progress;
+- a node whose start is slower than ``start_timeout_s`` but beats is not restarted;
+- a node whose constructor always fails ends ``failed`` after its budget (the job goes on
+  with the other node), and a job left with no node stops with one sentence;
+- a node whose engine raises on every call, beside a healthy one, quarantines nothing: its
+  breaker trips and the healthy node does the work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from orchestrator.db.engine import Database
+from orchestrator.errors import JobFailedError
+from tests.chaos.test_faults import _assert_nothing_lost, _config, _driver, _run_with, _wait
+from tests.integration.buffer_helpers import rows, scalar
+
+pytestmark = pytest.mark.timeout(600)
+
+HOOKS = "tests.support.faults"
+
+
+@pytest.fixture
+def cpu_overload() -> Iterator[int]:
+    """Busy-loop processes, three per core, for the test's whole length."""
+    n = 3 * (os.cpu_count() or 2)
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield n
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
+def _events(engine: sa.Engine, kind: str) -> list[Any]:
+    return rows(engine, "SELECT message, payload FROM events WHERE kind = :k ORDER BY id", k=kind)
+
+
+def _requeued(engine: sa.Engine) -> int:
+    return int(scalar(engine, "SELECT coalesce(sum(requeued_leases), 0) FROM tasks"))
+
+
+@pytest.mark.timeout(1200)
+def test_slow_engine_under_cpu_overload_keeps_beating_and_a_hung_one_is_found(
+    ray_local: Any,
+    tiny_dir: Path,
+    db: Database,
+    engine: sa.Engine,
+    tmp_path: Path,
+    cpu_overload: int,
+) -> None:
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    # the default liveness bounds (beats every 2 s, dead after 10 s without one, hung after
+    # 30 s without progress);
+    # every generate call takes 12 s. One single-turn task, so that a step is one call.
+    cfg = _config(tmp_path, tiny_dir, steps=6, nodes=1, heartbeat_interval_s=2.0, concurrency=4)
+    cp = cfg.control_plane.model_copy(
+        update={"heartbeat_timeout_s": 10.0, "progress_timeout_s": 30.0}
+    )
+    calc = cfg.tasks[0].model_copy(update={"spec": {"group_size": 2, "max_turns": 1}})
+    cfg = cfg.model_copy(update={"control_plane": cp, "tasks": [calc]})
+    driver = _driver(cfg, db, tiny_dir, tmp_path)
+    driver.engine_hooks[0] = f"{HOOKS}:slow:{flags}"
+    slow_phase: dict[str, Any] = {}
+
+    def fault() -> None:
+        # several steps (weights published at each, loaded while the engine is busy) of a
+        # slow engine under overload: no death, no requeue
+        _wait("4 steps of the slow engine", lambda: driver.step >= 4, timeout_s=600)
+        slow_phase["dead"] = _events(engine, "worker.dead")
+        slow_phase["requeued"] = _requeued(engine)
+        slow_phase["restarts"] = driver.supervisor.slots[0].restarts
+        (flags / "hang").touch()  # now the engine hangs: its beats go on, its progress stops
+        _wait("the hung node declared dead", lambda: _events(engine, "worker.dead"), 120)
+        (flags / "hang").unlink()
+
+    result = _run_with(driver, fault)
+    assert slow_phase["dead"] == [] and slow_phase["requeued"] == 0
+    assert slow_phase["restarts"] == 0
+    (message, payload), *_ = _events(engine, "worker.dead")
+    assert "no generation progress" in payload["reason"], message
+    assert result.steps == 6
+    _assert_nothing_lost(db, engine, 6)
+
+
+def test_a_slow_start_that_beats_is_not_restarted(
+    ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
+) -> None:
+    # the engine comes up 45 s after the actor, past start_timeout_s (20 s): the node
+    # registered first and beats, so it is starting, not dead
+    cfg = _config(tmp_path, tiny_dir, steps=2, nodes=1, start_timeout_s=20.0)
+    driver = _driver(cfg, db, tiny_dir, tmp_path)
+    driver.engine_hooks[0] = f"{HOOKS}:slow_start"
+    result = _run_with(driver, lambda: None)
+    assert result.steps == 2
+    assert _events(engine, "worker.restarting") == [] and _events(engine, "worker.dead") == []
+    assert scalar(engine, "SELECT count(*) FROM workers WHERE role = 'rollout'") == 1
+
+
+def test_a_node_that_never_starts_ends_failed_and_the_job_goes_on(
+    ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
+) -> None:
+    cfg = _config(tmp_path, tiny_dir, steps=500, nodes=2, max_restarts=2, restart_window_s=600)
+    driver = _driver(cfg, db, tiny_dir, tmp_path)
+    driver.engine_hooks[1] = f"{HOOKS}:never_starts"
+
+    def fault() -> None:
+        _wait("rollout-1 over its budget", lambda: _events(engine, "worker.failed"), 300)
+
+    result = _run_with(driver, fault, stop_after_fault=True)
+    (message, payload), *more = _events(engine, "worker.failed")
+    assert not more and payload["slot"] == "rollout-1" and payload["restarts"] == 3
+    assert "FileNotFoundError" in payload["reason"], message
+    assert len(_events(engine, "worker.restarting")) == 2
+    assert driver.supervisor is None or driver.supervisor.slots[1].failed
+    assert result.steps >= 1  # rollout-0 kept the job going
+    _assert_nothing_lost(db, engine, result.steps)
+
+
+@pytest.mark.timeout(300)
+def test_a_job_left_with_no_rollout_node_stops_with_one_sentence(
+    ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
+) -> None:
+    cfg = _config(tmp_path, tiny_dir, steps=3, nodes=1, max_restarts=1)
+    driver = _driver(cfg, db, tiny_dir, tmp_path)
+    driver.engine_hooks[0] = f"{HOOKS}:never_starts"
+    with pytest.raises(JobFailedError) as err:
+        _run_with(driver, lambda: None)
+    text = str(err.value)
+    assert "every rollout node failed" in text and "rollout.max_restarts" in text
+    assert "\n" not in text
+    assert len(_events(engine, "worker.failed")) == 1
+    assert len(_events(engine, "job.no_rollout_nodes")) == 1
+
+
+def test_a_broken_engine_beside_a_healthy_one_quarantines_nothing(
+    ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
+) -> None:
+    cfg = _config(tmp_path, tiny_dir, steps=4, nodes=2, max_restarts=2, restart_window_s=600)
+    driver = _driver(cfg, db, tiny_dir, tmp_path)
+    driver.engine_hooks[1] = f"{HOOKS}:broken"
+    result = _run_with(driver, lambda: None)
+    assert result.steps == 4
+    assert scalar(engine, "SELECT coalesce(sum(quarantined_episodes), 0) FROM tasks") == 0
+    assert scalar(engine, "SELECT count(*) FROM episodes WHERE status = 'quarantined'") == 0
+    tripped = _events(engine, "worker.breaker_tripped")
+    assert tripped and all("rollout-1" not in m or "RuntimeError" in m for m, _ in tripped)
+    # the healthy node was never restarted and did the work
+    assert scalar(engine, "SELECT max(incarnation) FROM workers WHERE name = 'rollout-0'") == 0
+    _assert_nothing_lost(db, engine, 4)

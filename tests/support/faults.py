@@ -1,0 +1,99 @@
+"""Fakes at the engine seam, for fault tests: wrappers around a real engine (the tiny model on
+hf) that make it slow, hang, fail every call, or start slowly or never. A rollout node applies
+one through ``NodeConfig.engine_hook`` ("tests.support.faults:NAME[:ARG]"); Ray's workers
+import this module by the driver's ``sys.path``. Behaviours switched on at run time are flag
+files in the folder ARG names (the actor runs in another process)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from workers.rollout.engines.base import Engine, EngineHealth, Generation, GenerationRequest
+
+SLOW_GENERATE_S = 12.0  # longer than the heartbeat timeout (10 s), within progress (30 s)
+SLOW_START_S = 45.0  # longer than the start test's start_timeout_s (20 s)
+
+
+class _Wrapped:
+    """Passes every call to the real engine; subclasses change one behaviour."""
+
+    def __init__(self, inner: Engine) -> None:
+        self.inner = inner
+        self.tokenizer = inner.tokenizer
+        # one call at a time, weight loads included: a load waits for the running generate
+        # call, as in a real engine
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
+        with self._lock:
+            return self.inner.generate(requests)
+
+    def load_weights(self, version: int, location: str) -> None:
+        with self._lock:
+            self.inner.load_weights(version, location)
+
+    def health(self) -> EngineHealth:
+        return self.inner.health()
+
+
+class SlowEngine(_Wrapped):
+    """Every generate call takes ``SLOW_GENERATE_S`` longer, holding the engine (a load waits
+    for it); while the flag file ``hang`` exists in ``flags``, a call does not return (a hung
+    engine)."""
+
+    def __init__(self, inner: Engine, flags: str) -> None:
+        super().__init__(inner)
+        self.hang = Path(flags) / "hang"
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
+        with self._lock:
+            while self.hang.exists():
+                time.sleep(0.2)
+            time.sleep(SLOW_GENERATE_S)
+            return self.inner.generate(requests)
+
+
+class BrokenEngine(_Wrapped):
+    """Every generate call raises (not an ``EngineFailure``: an error inside the engine)."""
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (fake)")
+
+
+def slow(engine: Engine, flags: str) -> Any:
+    return SlowEngine(engine, flags)
+
+
+def broken(engine: Engine) -> Any:
+    return BrokenEngine(engine)
+
+
+def slow_start(engine: Engine) -> Any:
+    """The engine comes up ``SLOW_START_S`` late (a model load on a busy machine)."""
+    time.sleep(SLOW_START_S)
+    return engine
+
+
+def never_starts(engine: Engine) -> Any:
+    """The constructor fails every time (as with a bad model path)."""
+    raise FileNotFoundError("model folder /nonexistent/model has no config.json (fake)")
+
+
+class AgentDeath(BaseException):
+    """Escapes every ``except Exception``: the agent loop that meets it dies."""
+
+
+class DeadlyEngine(_Wrapped):
+    def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
+        raise AgentDeath("the agent thread dies (fake)")
+
+
+def deadly(engine: Engine) -> Any:
+    return DeadlyEngine(engine)
