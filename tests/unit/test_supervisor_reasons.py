@@ -37,7 +37,7 @@ def test_ray_reporting_the_machine_gone_is_a_lost_machine() -> None:
 
 
 def _actor_died(**context: object) -> BaseException:
-    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext  # type: ignore[attr-defined]
     from ray.exceptions import ActorDiedError
 
     return ActorDiedError(
