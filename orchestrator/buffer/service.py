@@ -20,7 +20,8 @@ arithmetic in ``orchestrator.quotas``. What it guarantees, for one job:
 - **Step commits** consume the batch, record the step and bump the policy version atomically.
 
 Every episode ends in exactly one of: consumed by a step (``done`` + ``consumed_step``),
-``expired`` (its prompt requeued as a new episode), or ``quarantined``.
+``expired`` (its prompt requeued as a new episode), or ``quarantined`` (after ``max_attempts``
+claims, or a finished group none of whose samples generated a token).
 """
 
 from __future__ import annotations
@@ -479,7 +480,30 @@ class Buffer:
         )
         for task_id, n in sorted(expired.items()):
             tx.episodes.bump_task_counter(task_id, "expired_groups", n)
+        self._quarantine_ungenerated(tx)
         return {names.get(t, str(t)): n for t, n in expired.items()}
+
+    def _quarantine_ungenerated(self, tx: Tx) -> None:
+        """Finished groups without a generated token (their prompt alone reaches
+        ``rollout.max_tokens``) have no policy version: they could never be trained nor
+        expire, and would hold their task's admission slots forever. They end quarantined
+        (its prompt is not queued again: it would end the same way)."""
+        for r in tx.batches.quarantine_ungenerated_groups(self.job_id):
+            tx.episodes.bump_task_counter(r.task_id, "quarantined_episodes")
+            tx.events.add(
+                "episode.quarantined",
+                ACTOR,
+                f"episode {r.id} quarantined: none of its samples generated a token (its "
+                f"prompt is {r.prompt_tokens} tokens, which reaches rollout.max_tokens); raise "
+                "rollout.max_tokens or shorten the task's prompts",
+                job_id=self.job_id,
+                task_id=r.task_id,
+                payload={
+                    "episode_id": r.id,
+                    "reason": "no generated token",
+                    "prompt_tokens": r.prompt_tokens,
+                },
+            )
 
     @timed
     @retry_transient
