@@ -12,6 +12,7 @@ Guarantees (with ``orchestrator.buffer``):
 - Groups with no policy version (no sample generated a token) are ``quarantined``.
 - A step commit consumes the step's reserved groups, writes the ``train_steps`` row and bumps
   the job's ``policy_version`` in one transaction; committing a step twice changes nothing.
+  A driver's claims and commits are fenced by its driver epoch (``jobs.driver_epoch``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class JobState:
     policy_version: int
     pending_step: int | None
     pending_mix: dict[str, Any] | None
+    driver_epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,12 +73,14 @@ class BatchRepository:
     def job_state(self, job_id: int, *, for_update: bool = False) -> JobState:
         row = self.session.execute(
             text(
-                "SELECT id, policy_version, pending_step, pending_mix FROM jobs WHERE id = :j"
-                + (" FOR UPDATE" if for_update else "")
+                "SELECT id, policy_version, pending_step, pending_mix, driver_epoch FROM jobs "
+                "WHERE id = :j" + (" FOR UPDATE" if for_update else "")
             ),
             {"j": job_id},
         ).one()
-        return JobState(row.id, row.policy_version, row.pending_step, row.pending_mix)
+        return JobState(
+            row.id, row.policy_version, row.pending_step, row.pending_mix, int(row.driver_epoch)
+        )
 
     def trainable_tasks(self, job_id: int) -> list[TaskQuotaRow]:
         rows = self.session.execute(
