@@ -14,10 +14,17 @@ from typing import Any
 
 
 class JobStatus(enum.StrEnum):
+    """What the job's driver is doing: ``running`` from its set-up, ``stopping`` once asked to
+    (``rollcall job stop``), then ``finished`` (``run.total_steps`` reached), ``stopped``
+    (stopped before it; ``--resume`` continues) or ``failed`` (the driver failed). A driver
+    that was killed leaves ``running``/``stopping`` behind without holding the job: whether
+    a driver is alive is its lock's business (``JobRepository.driver_alive``)."""
+
     CREATED = "created"
     RUNNING = "running"
+    STOPPING = "stopping"
     STOPPED = "stopped"
-    COMPLETED = "completed"
+    FINISHED = "finished"
     FAILED = "failed"
 
 
@@ -66,6 +73,10 @@ class JobView:
     config: dict[str, Any]
     created_at: datetime
     updated_at: datetime
+    # Bumped by every driver that takes the job; step commits are fenced by it.
+    driver_epoch: int = 0
+    # The latest driver that took the job: pid, host, actor, started_at.
+    driver: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -73,6 +84,7 @@ class JobView:
             "name": self.name,
             "status": self.status.value,
             "policy_version": self.policy_version,
+            "driver_epoch": self.driver_epoch,
             "config": self.config,
             "created_at": self.created_at.isoformat(),
             "updated_at": self.updated_at.isoformat(),

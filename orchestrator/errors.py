@@ -26,6 +26,11 @@ class ConflictError(UserError):
     exit_code = 4
 
 
+class DriverFencedError(ConflictError):
+    """Another driver took the job over (its driver epoch is newer): this driver's claim or
+    step commit was refused, nothing of it written, and this driver must stop."""
+
+
 class SchemaError(UserError):
     """The database schema is not at the head revision this rollcall expects."""
 

@@ -18,9 +18,12 @@ arithmetic in ``orchestrator.quotas``. What it guarantees, for one job:
   oldest first; stale groups are expired and their prompts queued again. A batch is reserved
   for its step until ``commit_step`` consumes it, so a restarted trainer replays the same batch.
 - **Step commits** consume the batch, record the step and bump the policy version atomically.
+  With a ``driver_epoch``, batch claims and step commits are refused (``DriverFencedError``)
+  once another driver has taken the job (``jobs.driver_epoch`` moved on).
 
 Every episode ends in exactly one of: consumed by a step (``done`` + ``consumed_step``),
-``expired`` (its prompt requeued as a new episode), or ``quarantined``.
+``expired`` (its prompt requeued as a new episode), or ``quarantined`` (after ``max_attempts``
+claims, or a finished group none of whose samples generated a token).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from orchestrator.db.repos.episodes import LeasedRow
 from orchestrator.db.repos.workers import WorkerView
 from orchestrator.db.retry import retry_transient
 from orchestrator.domain import WorkerRole, WorkerStatus
-from orchestrator.errors import ConflictError, StaleLeaseError
+from orchestrator.errors import ConflictError, DriverFencedError, StaleLeaseError
 from orchestrator.quotas import SeedInput, allocate_batch, claim_order, seed_counts
 from tasks import registry
 from tasks.base import TaskPlugin
@@ -82,9 +85,14 @@ class Buffer:
         job_id: int,
         config: BufferConfig | None = None,
         plugins: Callable[[str], TaskPlugin] = registry.get,
+        *,
+        driver_epoch: int | None = None,
     ) -> None:
         self.db = db
         self.job_id = job_id
+        # The job driver's epoch (``jobs.driver_epoch`` when it took the job): its batch claims
+        # and step commits are refused once another driver took the job. None: not fenced.
+        self.driver_epoch = driver_epoch
         self.config = config or BufferConfig()
         self.retry_window_s = self.config.retry_window
         self._last_dead_sweep: Any = None
@@ -496,7 +504,30 @@ class Buffer:
         )
         for task_id, n in sorted(expired.items()):
             tx.episodes.bump_task_counter(task_id, "expired_groups", n)
+        self._quarantine_ungenerated(tx)
         return {names.get(t, str(t)): n for t, n in expired.items()}
+
+    def _quarantine_ungenerated(self, tx: Tx) -> None:
+        """Finished groups without a generated token (their prompt alone reaches
+        ``rollout.max_tokens``) have no policy version: they could never be trained nor
+        expire, and would hold their task's admission slots forever. They end quarantined
+        (its prompt is not queued again: it would end the same way)."""
+        for r in tx.batches.quarantine_ungenerated_groups(self.job_id):
+            tx.episodes.bump_task_counter(r.task_id, "quarantined_episodes")
+            tx.events.add(
+                "episode.quarantined",
+                ACTOR,
+                f"episode {r.id} quarantined: none of its samples generated a token (its "
+                f"prompt is {r.prompt_tokens} tokens, which reaches rollout.max_tokens); raise "
+                "rollout.max_tokens or shorten the task's prompts",
+                job_id=self.job_id,
+                task_id=r.task_id,
+                payload={
+                    "episode_id": r.id,
+                    "reason": "no generated token",
+                    "prompt_tokens": r.prompt_tokens,
+                },
+            )
 
     @timed
     @retry_transient
@@ -507,6 +538,7 @@ class Buffer:
         with self.db.transaction() as tx:
             tx.batches.lock_job_batches(self.job_id)
             job = tx.batches.job_state(self.job_id)
+            self._check_driver(job.driver_epoch, f"claim the batch of step {step}")
             if step != job.policy_version:
                 raise ConflictError(
                     f"step {step} cannot be claimed: the job's policy version is "
@@ -566,6 +598,14 @@ class Buffer:
                 step, job.policy_version, tuple(groups), mix, False, expired_by_task, len(ahead)
             )
 
+    def _check_driver(self, current: int, action: str) -> None:
+        if self.driver_epoch is not None and current != self.driver_epoch:
+            raise DriverFencedError(
+                f"this driver (epoch {self.driver_epoch}) cannot {action}: another driver "
+                f"(epoch {current}) has taken the job over, so this one stops without "
+                "writing; see `rollcall job show` for the driver that runs it"
+            )
+
     @timed
     @retry_transient
     def prefetch_groups(self, limit: int) -> int:
@@ -605,6 +645,7 @@ class Buffer:
         with ``weights_uri``, publish the new version's weights to the rollout nodes."""
         with self.db.transaction() as tx:
             job = tx.batches.job_state(self.job_id, for_update=True)
+            self._check_driver(job.driver_epoch, f"commit step {step}")
             existing = tx.batches.get_step(self.job_id, step)
             if existing is not None:
                 return StepCommit(step, existing.policy_version, 0, 0, already_committed=True)

@@ -116,8 +116,14 @@ def status(
 
 
 @app.command()
-def stop(ctx: typer.Context) -> None:
-    """Stop the embedded PostgreSQL server (it starts again on next use)."""
+def stop(
+    ctx: typer.Context,
+    yes: Annotated[
+        bool, typer.Option("--yes", help="Stop it even while a job's driver is using it.")
+    ] = False,
+) -> None:
+    """Stop the embedded PostgreSQL server (it starts again on next use). Refused while a job
+    runs on it, unless --yes."""
     from orchestrator.db.embedded import EmbeddedPostgres
     from orchestrator.errors import UserError
     from orchestrator.settings import resolve_database
@@ -129,7 +135,37 @@ def stop(ctx: typer.Context) -> None:
             f"`db stop` manages the embedded PostgreSQL only, and the database is external "
             f"({target.describe()}); stop it with its own tools"
         )
-    stopped = EmbeddedPostgres(target.home).stop()
+    server = EmbeddedPostgres(target.home)
+    if not yes and server.status().running:
+        _refuse_while_jobs_run(server.url())
+    stopped = server.stop()
     console().print(
         "Embedded PostgreSQL stopped." if stopped else "Embedded PostgreSQL was not running."
+    )
+
+
+def _refuse_while_jobs_run(url: str) -> None:
+    """``db stop`` under a running job would stop the job's database: refuse, naming it."""
+    from orchestrator.db.engine import open_database
+    from orchestrator.errors import ConflictError
+
+    db = open_database(url, verify_schema=False)
+    try:
+        with db.transaction() as tx:
+            live = tx.jobs.live_drivers()
+    finally:
+        db.dispose()
+    if not live:
+        return
+    first = live[0]
+    if first.job_name is not None:
+        what = f"job {first.job_name!r} is running on it"
+        how = f"stop it first with `rollcall job stop {first.job_name} --wait`"
+    else:
+        what = f"a job (id {first.job_id} in database {first.database!r}) is running on it"
+        how = "stop it first with `rollcall job stop NAME --wait`"
+    more = f" (and {len(live) - 1} more)" if len(live) > 1 else ""
+    raise ConflictError(
+        f"the embedded PostgreSQL was not stopped: {what}{more}; {how}, or pass --yes to stop "
+        "the database under it"
     )

@@ -1,4 +1,4 @@
-"""``rollcall job``: create, list and show jobs."""
+"""``rollcall job``: create, list, show and stop jobs."""
 
 from __future__ import annotations
 
@@ -63,12 +63,13 @@ def show(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show a job, its tasks and its recent events."""
-    from orchestrator.services.jobs import require_job
+    from orchestrator.services.jobs import driver_json, driver_line, require_job
 
     db = open_db(ctx)
     try:
         with db.transaction() as tx:
             job = require_job(tx, name)
+            alive = tx.jobs.driver_alive(job.id)
             tasks = tx.tasks.list(job.id)
             events = tx.events.list(job_id=job.id, limit=10)
     finally:
@@ -77,6 +78,7 @@ def show(
         print_json(
             {
                 **job.to_json(),
+                "driver": driver_json(job, alive),
                 "tasks": [t.to_json() for t in tasks],
                 "recent_events": [e.to_json() for e in events],
             }
@@ -87,9 +89,61 @@ def show(
         f"job {job.name} (id {job.id}): {job.status.value}, policy version {job.policy_version}",
         markup=False,
     )
+    if line := driver_line(job, alive):
+        out.print(f"  {line}", markup=False)
     for t in tasks:
         out.print(
             f"  task {t.name}: {t.plugin}, {t.status.value}, weight {t.weight:g}", markup=False
         )
     for e in events:
         out.print(f"  {e.created_at:%Y-%m-%d %H:%M:%S}  {e.kind}  {e.message}", markup=False)
+
+
+@app.command()
+def stop(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Job name.")],
+    wait: Annotated[
+        bool, typer.Option("--wait", help="Wait until the driver has stopped the job.")
+    ] = False,
+    timeout: Annotated[
+        float, typer.Option("--timeout", min=1.0, help="Seconds --wait waits at most.")
+    ] = 600.0,
+) -> None:
+    """Stop a running job gracefully, from any terminal: its driver finishes the step in
+    progress, stops the rollout nodes (their episodes are checkpointed), evaluates and saves
+    the policy; `rollcall run CONFIG --resume` continues it later."""
+    import time
+
+    from orchestrator.errors import ConflictError
+    from orchestrator.services.jobs import request_stop, require_job
+
+    out = console()
+    db = open_db(ctx)
+    try:
+        with db.transaction() as tx:
+            asked = request_stop(tx, name, actor=actor())
+        out.print(
+            f"Stop requested for job {name!r}: its driver finishes the step in progress, stops "
+            "the rollout nodes, evaluates and saves the policy."
+            if asked
+            else f"A stop of job {name!r} was already requested; its driver is stopping.",
+            markup=False,
+        )
+        if not wait:
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            with db.transaction() as tx:
+                job = require_job(tx, name)
+                if not tx.jobs.driver_alive(job.id):
+                    break
+            if time.monotonic() >= deadline:
+                raise ConflictError(
+                    f"job {name!r} is still stopping after {timeout:g} s (--timeout); its driver "
+                    "finishes the step in progress first: wait longer or watch `rollcall status`"
+                )
+            time.sleep(1.0)
+        out.print(f"Job {name!r} {job.status.value} at policy version {job.policy_version}.")
+    finally:
+        db.dispose()

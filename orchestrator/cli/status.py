@@ -50,9 +50,12 @@ def render_status(doc: dict[str, Any]) -> Any:
 
     j, tr = doc["job"], doc["trainer"]
     total = f"/{j['total_steps']}" if j["total_steps"] else ""
+    state = j["status"]
+    if state in ("running", "stopping") and not j["driver"]["alive"]:
+        state += " (no live driver: continue with --resume)"
     head = Text.assemble(
         (f"job {j['name']} ", "bold"),
-        f"({j['mode'] or '-'}) {'running' if j['running'] else 'not running'}  "
+        f"({j['mode'] or '-'}) {state}  "
         f"step {j['steps']}{total}  policy version {j['policy_version']}  "
         f"weights v{j['weights_version'] if j['weights_version'] is not None else '-'}  "
         f"last step {_age(j['last_step_age_s'])} ago  trainer busy {_pct(tr['busy_ratio'])}",

@@ -110,6 +110,11 @@ class Job(Base):
     # nodes load ``weights_uri`` when ``weights_version`` is newer than what they hold.
     weights_version: Mapped[int | None] = mapped_column(Integer)
     weights_uri: Mapped[str | None] = mapped_column(Text)
+    # One driver per job: every driver that takes the job (holding its advisory lock, see
+    # ``orchestrator.db.driver_lock``) bumps the epoch; step commits are fenced by it, so a
+    # driver that lost the job cannot commit even where the lock was lost with a restart.
+    driver_epoch: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+    driver: Mapped[dict[str, Any] | None] = mapped_column(JSONB)  # pid, host, started_at
     created_at: Mapped[datetime] = _created()
     updated_at: Mapped[datetime] = _updated()
 

@@ -12,6 +12,10 @@ pick the new version up between turns. A trainer call that fails or does not ret
 ``trainer.call_timeout_s`` is a failed trainer: restarted from the last checkpoint, the batch
 replayed. Components get their collaborators passed in; none of them knows about the driver.
 
+One driver per job (``orchestrator.runner.lifecycle``): ``setup()`` refuses a second driver
+of a running job before it changes anything, and moves the job's status through ``running``,
+``stopping`` (``rollcall job stop``) and ``finished``/``stopped``/``failed`` (``close()``).
+
 Modes: ``async`` (rollout never stops; data up to each task's ``max_staleness`` versions old)
 and ``sync`` (the same machinery with every task's staleness bound at 0: the nodes generate one
 batch with the current policy, the trainer trains on it, repeat).
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -37,7 +42,15 @@ from orchestrator.buffer.service import Buffer
 from orchestrator.config import RollcallConfig
 from orchestrator.db.engine import Database
 from orchestrator.db.notify import GroupsListener
-from orchestrator.errors import ConflictError, JobFailedError, NotFoundError, UserError
+from orchestrator.domain import JobStatus
+from orchestrator.errors import (
+    ConflictError,
+    DriverFencedError,
+    JobFailedError,
+    NotFoundError,
+    UserError,
+)
+from orchestrator.runner.lifecycle import JobLifecycle
 from orchestrator.runner.progress import Progress, Snapshot
 from orchestrator.runner.rundir import RunDir
 
@@ -99,6 +112,8 @@ class JobDriver:
         self.metrics: Any = None  # the Prometheus exporter (orchestrator/runner/metrics.py)
         self.started_ray = False
         self.pending_evals: list[tuple[int, Any]] = []
+        self.lifecycle: JobLifecycle | None = None  # this driver's hold on its job
+        self._outcome: JobStatus | None = None  # how run() ended, for the job's status
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -108,6 +123,8 @@ class JobDriver:
 
         cfg = self.cfg
         sync = cfg.run.mode == "sync"
+        if not cfg.tasks:
+            raise UserError("the config has no tasks; add at least one under tasks:")
         with self.db.transaction() as tx:
             job = tx.jobs.get_by_name(cfg.job.name)
             if job is None and self.resume:
@@ -115,24 +132,36 @@ class JobDriver:
                     f"job {cfg.job.name!r} does not exist, so there is nothing to resume; "
                     "drop --resume to start it"
                 )
-            if job is not None and not self.resume and job.policy_version > 0:
-                raise ConflictError(
-                    f"job {cfg.job.name!r} already trained {job.policy_version} steps; pass "
-                    "--resume to continue it, or set job.name to start a new job"
-                )
             if job is None:
                 job = create_job(
                     tx, cfg.job.name, config=cfg.model_dump(mode="json"), actor=self.actor
+                )
+            # One driver per job: a second one is refused here, before it changes anything.
+            self.lifecycle = JobLifecycle(
+                self.db,
+                job.id,
+                job.name,
+                actor=self.actor,
+                on_stop=self.request_stop,
+                say=lambda m: self.console.print(m, markup=False),
+                retry_window_s=cfg.buffer.retry_window,
+            )
+            self.lifecycle.acquire()
+            job = tx.jobs.get(job.id) or job
+            if not self.resume and job.policy_version > 0:
+                raise ConflictError(
+                    f"job {cfg.job.name!r} already trained {job.policy_version} steps; pass "
+                    "--resume to continue it, or set job.name to start a new job"
                 )
             for line in ensure_tasks(
                 tx, job_name=job.name, tasks=cfg.tasks, actor=self.actor, sync=sync
             ):
                 self.console.print(line, markup=False)
-        if not cfg.tasks:
-            raise UserError("the config has no tasks; add at least one under tasks:")
+            epoch = self.lifecycle.start(tx, resume=self.resume)
+        self.lifecycle.watch()  # stop requests, the lock after a database restart, fencing
         self.job_id = job.id
-        self.buffer = Buffer(self.db, job.id, cfg.buffer)
-        self._recover_previous_run()
+        self.buffer = Buffer(self.db, job.id, cfg.buffer, driver_epoch=epoch)
+        self._recover_previous_run()  # only now that this driver holds the job
         self.run_dir = RunDir(Path(cfg.run.dir) if cfg.run.dir else self.home / "runs" / job.name)
         self.run_dir.write_config(cfg.model_dump(mode="json"))
         self._start_ray()
@@ -443,6 +472,8 @@ class JobDriver:
             groups.close()
             progress.close()
         wall = time.monotonic() - started
+        if self.lifecycle is not None and self.lifecycle.fenced:  # another driver has the job
+            raise DriverFencedError(self.lifecycle.fenced)
         final_dir = None
         if not stopped_early:
             self._stop_nodes()
@@ -451,6 +482,7 @@ class JobDriver:
             self._collect_evals(snap, block=True)
             final_dir = self.trainer.save_final(str(self.run_dir.final))
             self.run_dir.plot(f"{cfg.job.name}: held-out reward ({cfg.run.mode})")
+        self._outcome = JobStatus.FINISHED if self.step >= total else JobStatus.STOPPED
         return RunResult(
             job=cfg.job.name,
             run_dir=str(self.run_dir.root),
@@ -641,6 +673,36 @@ class JobDriver:
         self.supervisor = None
 
     def close(self) -> None:
+        """Stop everything this driver started, then record how the job ended (``finished``
+        or ``stopped`` as ``run()`` ended; ``failed`` when an exception is on its way out,
+        i.e. close() runs in the ``finally`` of a failed set-up or run) and release the job."""
+        error = sys.exc_info()[1]
+        try:
+            self._close_components()
+        finally:
+            self._end_lifecycle(error)
+
+    def _end_lifecycle(self, error: BaseException | None) -> None:
+        if self.lifecycle is None:
+            return
+        lifecycle, self.lifecycle = self.lifecycle, None
+        step = getattr(self, "step", None)
+        if self._outcome is not None:
+            status = self._outcome
+        elif error is None or isinstance(error, KeyboardInterrupt):
+            status = JobStatus.STOPPED
+        else:
+            status = JobStatus.FAILED
+        reason = "" if error is None else f"{type(error).__name__}: {str(error).splitlines()[0]}"
+        if status is JobStatus.FINISHED:
+            message = f"job finished at step {step}"
+        elif status is JobStatus.STOPPED:
+            message = f"job stopped at step {step}; `rollcall run CONFIG --resume` continues it"
+        else:
+            message = f"job failed at step {step}: {reason[:300]}"
+        lifecycle.end(status, message, {"step": step, "reason": reason or None})
+
+    def _close_components(self) -> None:
         import ray
 
         if self.metrics is not None:

@@ -1,4 +1,4 @@
-"""Jobs: creation and lookup by name."""
+"""Jobs: creation and lookup by name; stop requests and what operators see of the driver."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 from orchestrator.config import check_name
 from orchestrator.db.engine import Tx
-from orchestrator.domain import JobView
-from orchestrator.errors import NotFoundError, UserError
+from orchestrator.domain import JobStatus, JobView
+from orchestrator.errors import ConflictError, NotFoundError, UserError
 
 DEFAULT_JOB = "default"
 
@@ -41,3 +41,65 @@ def create_job(tx: Tx, name: str, *, config: dict[str, Any] | None = None, actor
     job = tx.jobs.create(name, config)
     tx.events.add("job.created", actor, f"job {name!r} created", job_id=job.id)
     return job
+
+
+def request_stop(tx: Tx, name: str, *, actor: str) -> bool:
+    """Ask the job's driver to stop (``rollcall job stop``): the job becomes ``stopping``, which
+    its driver sees within a second. False when a stop was already requested. Refused when no
+    driver runs the job."""
+    job = require_job(tx, name)
+    if not tx.jobs.driver_alive(job.id):
+        raise ConflictError(
+            f"job {name!r} has no running driver (status {job.status.value}), so there is "
+            "nothing to stop; `rollcall run CONFIG --resume` continues it"
+        )
+    if job.status is JobStatus.STOPPING:
+        return False
+    if not tx.jobs.request_stop(job.id):
+        raise ConflictError(
+            f"job {name!r} is {job.status.value}, not running: its driver is still starting; "
+            f"run `rollcall job stop {name}` again in a moment"
+        )
+    tx.events.add(
+        "job.stop_requested",
+        actor,
+        f"stop of job {name!r} requested; its driver finishes the step in progress",
+        job_id=job.id,
+    )
+    return True
+
+
+def describe_driver(info: dict[str, Any] | None) -> str:
+    """``pid 123 on host h, started 2026-01-31 12:00:00``, from ``jobs.driver``."""
+    if not info:
+        return "a driver whose details are not recorded"
+    text = f"pid {info.get('pid')} on {info.get('host')}"
+    if started := info.get("started_at"):
+        text += f", started {str(started)[:19].replace('T', ' ')}"
+    return text
+
+
+def driver_json(job: JobView, alive: bool) -> dict[str, Any]:
+    info = job.driver or {}
+    return {
+        "alive": alive,
+        "epoch": job.driver_epoch,
+        "pid": info.get("pid"),
+        "host": info.get("host"),
+        "started_at": info.get("started_at"),
+    }
+
+
+def driver_line(job: JobView, alive: bool) -> str | None:
+    """One line on the job's driver for ``job show`` (None: the job never had one)."""
+    if not job.driver:
+        return None
+    who = describe_driver(job.driver)
+    if alive:
+        return f"driver: {who} (epoch {job.driver_epoch}), running"
+    if job.status in (JobStatus.RUNNING, JobStatus.STOPPING):
+        return (
+            f"driver: none alive; the last one ({who}) ended without recording its end "
+            "(killed?); `rollcall run CONFIG --resume` continues the job"
+        )
+    return f"driver: none; the last one was {who}"

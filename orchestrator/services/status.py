@@ -20,7 +20,7 @@ from orchestrator.db.engine import Tx
 from orchestrator.db.repos.monitoring import DrillCount, JobProgress, StepSummary
 from orchestrator.domain import JobView
 from orchestrator.errors import NotFoundError, UserError
-from orchestrator.services.jobs import require_job
+from orchestrator.services.jobs import driver_json, require_job
 
 # Episode states as operators see them: ``done`` split by where it is in training.
 EPISODE_STATES = ("queued", "leased", "ready", "claimed", "consumed", "expired", "quarantined")
@@ -77,7 +77,8 @@ class JobSnapshot:
     @property
     def running(self) -> bool:
         """Some worker is alive and beat within the heartbeat timeout (the job's processes are
-        up; the job row's status is not kept current by the driver)."""
+        up; the job's status and whether its driver is alive are the job row's and the driver
+        lock's)."""
         return any(
             n["status"] in ("starting", "alive") and n["heartbeat_age_s"] < self.heartbeat_timeout_s
             for n in self.nodes
@@ -195,6 +196,7 @@ def status_document(tx: Tx, job_name: str | None, *, events: int = 10) -> dict[s
     """The JSON of ``rollcall status``."""
     job = resolve_job(tx, job_name)
     snap = snapshot(tx, job.id)
+    driver = driver_json(job, tx.jobs.driver_alive(job.id))
     recent = tx.events.list(job_id=job.id, limit=events) if events > 0 else []
     served = tx.events.list(job_id=job.id, kind="metrics.serving", limit=1)
     p = snap.job
@@ -205,6 +207,7 @@ def status_document(tx: Tx, job_name: str | None, *, events: int = 10) -> dict[s
             "name": p.name,
             "status": p.status,
             "running": snap.running,
+            "driver": driver,
             "mode": snap.mode,
             "policy_version": p.policy_version,
             "weights_version": p.weights_version,

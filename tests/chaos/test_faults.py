@@ -311,3 +311,84 @@ def test_database_restart_mid_run_declares_nobody_dead(
     _assert_nothing_lost(db, engine, 4)
     kinds = [r[0] for r in rows(engine, "SELECT kind FROM events ORDER BY id")]
     assert "worker.dead" not in kinds and "worker.restarting" not in kinds
+    # the restart dropped the driver's lock with its connection: it took it again, kept the
+    # job (no fencing) and ended it as finished
+    assert "job.driver_relocked" in kinds and "job.driver_fenced" not in kinds
+    assert scalar(engine, "SELECT status::text FROM jobs WHERE name = 'chaos'") == "finished"
+
+
+def _driver_state(engine: sa.Engine) -> dict[str, Any]:
+    """What a second driver must not change: the job row's driver side, its workers, steps."""
+    return {
+        "job": rows(
+            engine,
+            "SELECT status::text, driver_epoch, driver, policy_version, pending_step, "
+            "weights_version FROM jobs WHERE name = 'chaos'",
+        ),
+        "workers": rows(engine, "SELECT id, name, status::text FROM workers ORDER BY id"),
+        "steps": rows(engine, "SELECT step, policy_version FROM train_steps ORDER BY step"),
+    }
+
+
+def test_second_driver_is_refused_and_job_stop_ends_the_run_gracefully(
+    ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, cli: Any, tmp_path: Path
+) -> None:
+    import io
+    import json
+
+    from orchestrator.errors import ConflictError
+
+    cfg = _config(tmp_path, tiny_dir, steps=1000, nodes=1)  # a ceiling: `job stop` ends it
+
+    def quiet_driver(resume: bool = False) -> JobDriver:  # its lines stay out of the CLI's output
+        console = Console(file=io.StringIO())
+        return JobDriver(
+            cfg, db, model_dir=tiny_dir, home=tmp_path, resume=resume, console=console, live=False
+        )
+
+    driver = quiet_driver()
+    in_step, go = threading.Event(), threading.Event()
+
+    def hold(d: JobDriver) -> None:  # step 1 in progress: trained, not yet committed
+        if d.step == 1:
+            in_step.set()
+            go.wait(300)
+
+    driver.fault_hooks["after_train"] = hold
+
+    def show() -> dict[str, Any]:
+        return json.loads(cli("job", "show", "chaos", "--json").out)
+
+    def fault() -> None:
+        try:
+            _wait("step 1 in progress", in_step.is_set, timeout_s=300)
+            assert show()["status"] == "running"
+            before = _driver_state(engine)
+            second = quiet_driver(resume=True)  # `rollcall run CONFIG --resume`, a second time
+            try:
+                with pytest.raises(ConflictError, match="already running under another driver"):
+                    second.setup()
+            finally:
+                second.close()
+            assert _driver_state(engine) == before  # the first driver's node is not dead
+
+            r = cli("job", "stop", "chaos")
+            assert r.code == 0 and "Stop requested" in r.out, r
+            _wait("the driver to see the stop", driver._stop_requested.is_set, timeout_s=60)
+            assert show()["status"] == "stopping"
+        finally:
+            go.set()  # step 1 commits; then the loop sees the stop
+
+    result = _run_with(driver, fault, stop_after_fault=True)  # stop_after: a failed fault
+    assert result.steps == 2 and not result.stopped_early and result.final_dir
+    assert (Path(result.final_dir) / "config.json").exists()  # saved as on a normal end
+    assert show()["status"] == "stopped"
+    engine.dispose()
+    _assert_nothing_lost(db, engine, 2)
+    assert scalar(engine, "SELECT count(*) FROM workers WHERE status <> 'stopped'") == 0
+    kinds = [r[0] for r in rows(engine, "SELECT kind FROM events ORDER BY id")]
+    for kind in ("job.driver_started", "job.driver_refused", "job.stop_requested"):
+        assert kinds.count(kind) == 1, (kind, kinds)
+    assert kinds[-1] == "job.stopped" and "worker.dead" not in kinds
+    r = cli("job", "stop", "chaos")
+    assert r.code == 4 and "no running driver" in r.err

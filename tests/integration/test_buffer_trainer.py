@@ -9,10 +9,12 @@ import sys
 import textwrap
 from collections import Counter
 
+import numpy as np
 import pytest
 import sqlalchemy as sa
 
 from orchestrator.buffer.service import Buffer
+from orchestrator.buffer.types import TrajectoryPayload
 from orchestrator.db.engine import Database
 from orchestrator.errors import ConflictError
 from orchestrator.quotas import batch_shares
@@ -389,3 +391,59 @@ def test_groups_read_ahead_serve_the_claim_unchanged(db: Database, engine: sa.En
     batch = buf.claim_batch(1)
     assert batch.prefetched_groups == 0 and len(batch.groups) == 2
     assert {g.min_policy_version for g in batch.groups} == {1}
+
+
+def _prompt_only(n_tokens: int = 12) -> TrajectoryPayload:
+    """A sample whose prompt alone used up ``rollout.max_tokens``: zero turns, no generated
+    token, so no policy version (the agent loop ends it at once with "token limit")."""
+    return TrajectoryPayload.build(
+        np.arange(n_tokens),
+        np.zeros(n_tokens, dtype=np.uint8),
+        np.zeros(n_tokens, dtype=np.float32),
+        prompt_tokens=n_tokens,
+        finished=True,
+    )
+
+
+def test_group_without_a_generated_token_ends_quarantined(db: Database, engine: sa.Engine) -> None:
+    """A group whose samples have zero turns has no policy version (min_policy_version NULL):
+    it can neither be trained nor expire. It must end quarantined, with an event saying why,
+    and free its admission slot instead of counting as outstanding forever."""
+    ids = add_tasks(db, {"name": "a", "group_size": 2, "max_staleness": 1})
+    buf = make_buffer(db, batch_groups=2)
+    seeded = buf.seed()["a"]
+    w = buf.register_worker("r0")
+    one, two = buf.claim(w.id), buf.claim(w.id)
+    assert one is not None and two is not None
+    for s in one.samples:  # one statement per sample (rollcall_write_sample)
+        buf.commit(one.lease, s.sample_index, _prompt_only(), 0.0)
+    buf.commit_many(two.lease, [(s.sample_index, _prompt_only(), 0.0, None) for s in two.samples])
+    stuck = [one.lease.episode_id, two.lease.episode_id]
+
+    # the scheduled expiry pass and the trainer's claim (waiting for a full batch) end them
+    buf.expire_stale()
+    assert buf.claim_batch(0, min_groups=2).groups == ()
+    got = rows(engine, "SELECT status::text, last_error FROM episodes WHERE id = ANY(:e)", e=stuck)
+    assert [s for s, _ in got] == ["quarantined", "quarantined"]
+    assert all("rollout.max_tokens" in (err or "") for _, err in got)
+    assert scalar(engine, "SELECT quarantined_episodes FROM tasks WHERE id = :t", t=ids["a"]) == 2
+    events = rows(
+        engine,
+        "SELECT message FROM events WHERE kind = 'episode.quarantined' ORDER BY id",
+    )
+    assert len(events) == 2 and all("rollout.max_tokens" in m for (m,) in events)
+    assert "12 tokens" in events[0][0]
+    # their samples are not left ready for a batch, and the invariants hold
+    assert (
+        scalar(
+            engine,
+            "SELECT count(*) FROM trajectories WHERE episode_id = ANY(:e) AND status <> 'expired'",
+            e=stuck,
+        )
+        == 0
+    )
+    from orchestrator.buffer.invariants import check_invariants
+
+    assert check_invariants(db, 1).ok
+    # the admission slots are free again: seeding tops the task up by the two groups
+    assert buf.seed() == {"a": 2} and seeded >= 2

@@ -28,6 +28,13 @@ STATUS_SCHEMA: dict[str, Any] = {
         "name": str,
         "status": str,
         "running": bool,
+        "driver": {
+            "alive": bool,
+            "epoch": int,
+            "pid": OPT_INT,
+            "host": OPT_STR,
+            "started_at": OPT_STR,
+        },
         "mode": OPT_STR,
         "policy_version": int,
         "weights_version": OPT_INT,

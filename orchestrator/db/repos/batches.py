@@ -9,8 +9,10 @@ Guarantees (with ``orchestrator.buffer``):
   very same batch again for the same step.
 - Groups that fell out of the bound are ``expired`` (an end state, counted per task) and their
   prompts are queued again as fresh episodes (``requeued_from``).
+- Groups with no policy version (no sample generated a token) are ``quarantined``.
 - A step commit consumes the step's reserved groups, writes the ``train_steps`` row and bumps
   the job's ``policy_version`` in one transaction; committing a step twice changes nothing.
+  A driver's claims and commits are fenced by its driver epoch (``jobs.driver_epoch``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class JobState:
     policy_version: int
     pending_step: int | None
     pending_mix: dict[str, Any] | None
+    driver_epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,12 +73,14 @@ class BatchRepository:
     def job_state(self, job_id: int, *, for_update: bool = False) -> JobState:
         row = self.session.execute(
             text(
-                "SELECT id, policy_version, pending_step, pending_mix FROM jobs WHERE id = :j"
-                + (" FOR UPDATE" if for_update else "")
+                "SELECT id, policy_version, pending_step, pending_mix, driver_epoch FROM jobs "
+                "WHERE id = :j" + (" FOR UPDATE" if for_update else "")
             ),
             {"j": job_id},
         ).one()
-        return JobState(row.id, row.policy_version, row.pending_step, row.pending_mix)
+        return JobState(
+            row.id, row.policy_version, row.pending_step, row.pending_mix, int(row.driver_epoch)
+        )
 
     def trainable_tasks(self, job_id: int) -> list[TaskQuotaRow]:
         rows = self.session.execute(
@@ -154,6 +159,57 @@ class BatchRepository:
             {"ids": ids},
         )
         return list(stale)
+
+    def quarantine_ungenerated_groups(self, job_id: int) -> list[Any]:
+        """Quarantine finished, unreserved groups that have no policy version: none of their
+        samples generated a token (a prompt that alone reaches ``rollout.max_tokens`` ends
+        with zero turns), so they can neither be trained nor fall out of a staleness bound.
+        Their samples are expired. Returns the episodes (id, task_id, prompt_tokens)."""
+        stuck = self.session.execute(
+            text(
+                """
+                SELECT e.id, e.task_id, (
+                    SELECT max(tr.prompt_tokens) FROM trajectories tr
+                    WHERE tr.task_id = e.task_id AND tr.episode_id = e.id
+                ) AS prompt_tokens
+                FROM episodes e
+                WHERE e.job_id = :j AND e.status = 'done' AND e.consumed_step IS NULL
+                  AND e.claimed_step IS NULL AND e.min_policy_version IS NULL
+                ORDER BY e.id
+                FOR UPDATE OF e SKIP LOCKED
+                """
+            ),
+            {"j": job_id},
+        ).all()
+        if not stuck:
+            return []
+        self.session.execute(
+            text(
+                """
+                UPDATE episodes e SET status = 'quarantined', last_error = u.err,
+                       updated_at = now()
+                FROM unnest(CAST(:ids AS bigint[]), CAST(:errs AS text[])) AS u(id, err)
+                WHERE e.id = u.id
+                """
+            ),
+            {
+                "ids": [r.id for r in stuck],
+                "errs": [
+                    f"no sample generated a token: the prompt ({r.prompt_tokens} tokens) "
+                    "reaches rollout.max_tokens"
+                    for r in stuck
+                ],
+            },
+        )
+        self.session.execute(
+            text(
+                "UPDATE trajectories SET status = 'expired', updated_at = now() "
+                "WHERE task_id = ANY(:tids) AND episode_id = ANY(:ids) "
+                "AND status IN ('ready', 'in_progress')"
+            ),
+            {"tids": sorted({r.task_id for r in stuck}), "ids": [r.id for r in stuck]},
+        )
+        return list(stuck)
 
     # -- claim ---------------------------------------------------------------------------------
 
