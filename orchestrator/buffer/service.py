@@ -28,10 +28,12 @@ claims, or a finished group none of whose samples generated a token).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from orchestrator.buffer.timings import OpTimings, timed
@@ -50,12 +52,14 @@ from orchestrator.db.engine import Database, Tx
 from orchestrator.db.repos.batches import TaskQuotaRow
 from orchestrator.db.repos.episodes import LeasedRow
 from orchestrator.db.repos.workers import WorkerView
-from orchestrator.db.retry import retry_transient
+from orchestrator.db.retry import CAP_S, Outage, OutageTracker, retry_transient
 from orchestrator.domain import WorkerRole, WorkerStatus
 from orchestrator.errors import ConflictError, DriverFencedError, StaleLeaseError
 from orchestrator.quotas import SeedInput, allocate_batch, claim_order, seed_counts
 from tasks import registry
 from tasks.base import TaskPlugin
+
+log = logging.getLogger(__name__)
 
 ACTOR = "control-plane"
 _MOVED_ON = "the lease has moved on (requeued or expired)"
@@ -95,7 +99,15 @@ class Buffer:
         self.driver_epoch = driver_epoch
         self.config = config or BufferConfig()
         self.retry_window_s = self.config.retry_window
+        self.outages = OutageTracker()  # database outages as this Buffer's calls saw them
+        self.record_outages = False  # each one a ``database.outage`` event (the driver's)
+        self.on_outage: Callable[[Outage], None] | None = None
         self._last_dead_sweep: Any = None
+        # The sweeps' view of outages (database clock): when they last saw one end.
+        self._outage_lock = threading.Lock()
+        self._outage_end: Any = None
+        self._failures_seen = 0
+        self._heartbeat_timeout_s: float | None = None  # the dead sweep's, for the lease sweep
         self._plugins = plugins
         self.timings = OpTimings()  # wall and CPU time of each operation (control-plane cost)
         # Samples of finished groups read ahead of their claim (``prefetch_groups``), by
@@ -137,9 +149,17 @@ class Buffer:
     @timed
     @retry_transient
     def sweep_expired_leases(self) -> SweepResult:
-        """Requeue (or quarantine) every episode whose lease expired on the database clock."""
+        """Requeue (or quarantine) every episode whose lease expired on the database clock.
+        After an outage (see ``sweep_dead_workers``) no lease expires until its holders had
+        ``heartbeat_timeout_s`` + the retries' backoff cap to beat (and so renew) again: a
+        holder that does not is declared dead, which requeues its leases."""
         with self.db.transaction() as tx:
-            rows = tx.episodes.lock_expired_leases(self.job_id)
+            ended = self._outage_seen(tx.workers.db_now())
+            hold = None
+            if ended is not None:
+                wait_s = self._heartbeat_timeout_s or self.config.lease_s
+                hold = ended + timedelta(seconds=CAP_S + wait_s)
+            rows = tx.episodes.lock_expired_leases(self.job_id, held_until=hold)
             return self._requeue(tx, rows, "lease expired")
 
     @timed
@@ -160,16 +180,27 @@ class Buffer:
     ) -> list[DeadWorker]:
         """Declare dead every live worker of the job whose heartbeat (or, for a rollout node,
         whose generation progress) is older than its timeout on the database clock, and
-        requeue its leases. After a gap in this sweep's own runs longer than half the heartbeat
-        timeout (a database outage: nobody could beat), nobody is declared dead this round,
-        so workers get to beat again first."""
+        requeue its leases.
+
+        After an outage nobody could beat, so nobody is judged by the beats it missed: the
+        sweep takes the outage to have ended when it first goes through again after calls of
+        this Buffer failed, or after a gap in its own runs longer than half the heartbeat
+        timeout (the process stalled, or the outage met none of its calls), and counts the
+        ages from that end plus the retries' backoff cap at the earliest. Every worker gets
+        ``heartbeat_timeout_s`` + ``CAP_S`` after the outage to beat again, however late its
+        retry's backoff lets its first beat through."""
         with self.db.transaction() as tx:
             now = tx.workers.db_now()
-            last, self._last_dead_sweep = self._last_dead_sweep, now
-            if last is not None and (now - last).total_seconds() > heartbeat_timeout_s / 2:
-                return []
+            self._heartbeat_timeout_s = heartbeat_timeout_s
+            with self._outage_lock:
+                last, self._last_dead_sweep = self._last_dead_sweep, now
+            gap = last is not None and (now - last).total_seconds() > heartbeat_timeout_s / 2
+            ended = self._outage_seen(now, gap=gap)
+            since = None if ended is None else ended + timedelta(seconds=CAP_S)
             dead = []
-            for w in tx.workers.lock_overdue(self.job_id, heartbeat_timeout_s, progress_timeout_s):
+            for w in tx.workers.lock_overdue(
+                self.job_id, heartbeat_timeout_s, progress_timeout_s, since=since
+            ):
                 tx.workers.set_status(w["id"], WorkerStatus.DEAD)
                 swept = self._requeue(
                     tx,
@@ -186,6 +217,37 @@ class Buffer:
                 )
                 dead.append(DeadWorker(w["id"], w["name"], w["reason"], swept))
             return dead
+
+    def _outage_seen(self, now: Any, *, gap: bool = False) -> Any:
+        """Database time at which the sweeps last saw an outage end (None: never). An outage
+        ends now when this Buffer's calls failed since a sweep last looked, or on ``gap``."""
+        with self._outage_lock:
+            failures = self.outages.failures
+            if gap or failures != self._failures_seen:
+                self._failures_seen = failures
+                if self._outage_end is None or now > self._outage_end:
+                    self._outage_end = now
+            return self._outage_end
+
+    def _outage_ended(self, outage: Outage) -> None:
+        """The retry layer's report, once per outage, after the first call that went through:
+        logged, and with ``record_outages`` recorded as an event (one attempt; the retry layer
+        reports it again after the next success if that fails)."""
+        if self.record_outages:
+            with self.db.transaction() as tx:
+                tx.events.add(
+                    "database.outage",
+                    ACTOR,
+                    outage.describe(),
+                    job_id=self.job_id,
+                    payload=outage.payload(),
+                )
+        log.warning("%s", outage.describe())
+        if self.on_outage is not None:
+            try:
+                self.on_outage(outage)
+            except Exception:
+                log.exception("reporting the outage failed")
 
     @timed
     @retry_transient

@@ -8,6 +8,11 @@ the attempts. Errors that are not about connectivity (a constraint, a stale leas
 once. Every retried write is idempotent or fenced: a commit whose first attempt did land is
 recognised on the second; a claim whose answer was lost leaves a lease that expires and is
 requeued.
+
+An instance with an ``outages`` attribute (an ``OutageTracker``: the ``Buffer``'s) is told of
+every transient failure and every success: the first failure opens an outage, the first success
+after it closes it, and the closed outage is handed once to the instance's
+``_outage_ended(outage)``. One outage is reported once, however many calls rode it out.
 """
 
 from __future__ import annotations
@@ -15,8 +20,12 @@ from __future__ import annotations
 import functools
 import logging
 import random
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import psycopg
@@ -29,6 +38,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_WINDOW_S = 30.0
 BASE_S = 0.1
 CAP_S = 5.0
+# After an outage closed, failures for this long still belong to it (connections that broke
+# with the old server fail on their first use after the restart): they open no new outage.
+SETTLE_S = CAP_S
 
 
 def is_transient(e: BaseException) -> bool:
@@ -54,13 +66,18 @@ def retry_transient(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         window = float(getattr(args[0], "retry_window_s", DEFAULT_WINDOW_S)) if args else 0.0
+        tracker: OutageTracker | None = getattr(args[0], "outages", None) if args else None
         deadline = time.monotonic() + window
         attempt = 0
         while True:
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
             except Exception as e:
-                if not is_transient(e) or time.monotonic() >= deadline:
+                if not is_transient(e):
+                    raise
+                if tracker is not None:
+                    tracker.failed(fn.__qualname__, e)
+                if time.monotonic() >= deadline:
                     raise
                 delay = min(backoff_s(attempt), max(0.0, deadline - time.monotonic()))
                 log.warning(
@@ -72,5 +89,121 @@ def retry_transient(fn: F) -> F:
                 )
                 time.sleep(delay)
                 attempt += 1
+            else:
+                if tracker is not None and tracker.pending:
+                    _report(args[0], tracker)
+                return result
 
     return wrapper  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Outage:
+    """What one process saw of one database outage."""
+
+    began_at: float  # Unix time of the first failed call
+    ended_at: float  # Unix time of the first call that went through again
+    duration_s: float
+    failures: int  # failed attempts, all calls together
+    operations: dict[str, int]  # failed attempts by operation (``Buffer.beat``: 12)
+    error: str  # the first failure's exception type
+
+    def describe(self) -> str:
+        ops = ", ".join(f"{op} {n}" for op, n in sorted(self.operations.items()))
+        return (
+            f"database unavailable for {self.duration_s:.1f} s, back now; attempts retried: "
+            f"{ops} (first error: {self.error})"
+        )
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "began_at": _iso(self.began_at),
+            "ended_at": _iso(self.ended_at),
+            "duration_s": round(self.duration_s, 3),
+            "failures": self.failures,
+            "operations": dict(self.operations),
+            "error": self.error,
+        }
+
+
+class OutageTracker:
+    """The outages of the database as the calls of one object (a ``Buffer``) see them.
+    Thread-safe; a success costs an attribute read unless an outage is open."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.failures = 0  # transient failures ever seen (the sweeps compare it)
+        self._began: tuple[float, float] | None = None  # (unix, monotonic) of the open outage
+        self._ops: Counter[str] = Counter()
+        self._error = ""
+        self._closed_at: float | None = None  # monotonic, of the last close
+        # failures within SETTLE_S of a close: (unix, monotonic) of the first, by operation
+        self._tail: tuple[float, float] | None = None
+        self._tail_ops: Counter[str] = Counter()
+        self._unreported: list[Outage] = []
+        self.pending = False  # an outage is open, or closed and not reported yet
+
+    def failed(self, operation: str, error: BaseException) -> None:
+        now = self._clock()
+        with self._lock:
+            self.failures += 1
+            if self._began is None:
+                if self._closed_at is not None and now - self._closed_at < SETTLE_S:
+                    # the tail of the outage that just closed, unless the failures go on
+                    self._tail = self._tail or (time.time(), now)
+                    self._tail_ops[operation] += 1
+                    self.pending = True  # the next success ends the tail
+                    return
+                self._began = self._tail or (time.time(), now)
+                self._ops, self._tail, self._tail_ops = self._tail_ops, None, Counter()
+                self._error = type(error).__name__
+            self._ops[operation] += 1
+            self.pending = True
+
+    def take(self) -> list[Outage]:
+        """After a call went through: close the open outage; every closed outage not yet
+        reported (each is handed out once)."""
+        now = self._clock()
+        with self._lock:
+            if self._began is not None:
+                began, began_mono = self._began
+                self._unreported.append(
+                    Outage(
+                        began_at=began,
+                        ended_at=time.time(),
+                        duration_s=now - began_mono,
+                        failures=sum(self._ops.values()),
+                        operations=dict(self._ops),
+                        error=self._error,
+                    )
+                )
+                self._began = None
+                self._closed_at = now
+            self._tail, self._tail_ops = None, Counter()
+            out, self._unreported = self._unreported, []
+            self.pending = False
+            return out
+
+    def put_back(self, outage: Outage) -> None:
+        """An outage whose report failed: handed out again after the next success."""
+        with self._lock:
+            self._unreported.append(outage)
+            self.pending = True
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds")
+
+
+def _report(instance: Any, tracker: OutageTracker) -> None:
+    report = getattr(instance, "_outage_ended", None)
+    for outage in tracker.take():
+        if report is None:
+            log.warning("%s", outage.describe())
+            continue
+        try:
+            report(outage)
+        except Exception:
+            log.warning("could not record the end of an outage; will try again", exc_info=True)
+            tracker.put_back(outage)

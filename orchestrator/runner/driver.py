@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 # as the batch lacked (LISTEN/NOTIFY), and at the latest after WAIT_POLL_S.
 WAIT_POLL_S = 0.25
 NODE_STOP_TIMEOUT_S = 60.0
+# A control-plane run that starts late (a loaded machine) still runs unless it is this late
+# (the process was frozen): then it is dropped, logged to driver.log and counted.
+MISFIRE_GRACE_S = 60
 
 
 @dataclass
@@ -110,6 +113,8 @@ class JobDriver:
         self.evaluator: Any = None
         self.scheduler: Any = None
         self.metrics: Any = None  # the Prometheus exporter (orchestrator/runner/metrics.py)
+        self.missed_runs: Any = None  # the scheduler's dropped runs (metrics.MissedRuns)
+        self._release_logs: Callable[[], None] | None = None
         self.started_ray = False
         self.pending_evals: list[tuple[int, Any]] = []
         self.lifecycle: JobLifecycle | None = None  # this driver's hold on its job
@@ -348,12 +353,23 @@ class JobDriver:
     def _start_scheduler(self) -> None:
         from apscheduler.schedulers.background import BackgroundScheduler
 
+        from orchestrator.runner.metrics import MissedRuns
+
         cp = self.cfg.control_plane
+        # From here on, what libraries log (APScheduler's missed runs, the retries of a
+        # database outage) goes to the run directory's driver.log, not the user's terminal.
+        if self._release_logs is None:
+            self._release_logs = self.run_dir.capture_logs()
         # A pass that overlaps the previous one of the same job is skipped by design
         # (max_instances=1: e.g. supervision while a node starts); APScheduler warns about
         # each skip, which is noise here.
         logging.getLogger("apscheduler.scheduler").addFilter(SKIPPED_RUN_FILTER)  # once
-        s = BackgroundScheduler(daemon=True)
+        s = BackgroundScheduler(daemon=True, job_defaults={"misfire_grace_time": MISFIRE_GRACE_S})
+        self.missed_runs = MissedRuns(s)
+        # The control plane's calls see database outages: each one becomes an event and a
+        # line once the database is back.
+        self.buffer.record_outages = True
+        self.buffer.on_outage = lambda o: self.console.print(o.describe(), markup=False)
         jobs = [
             (self.buffer.seed, cp.seed_interval_s, "seed"),
             (self.buffer.sweep_expired_leases, cp.lease_sweep_interval_s, "lease-sweep"),
@@ -376,6 +392,7 @@ class JobDriver:
             self.job_id,
             scheduler=self.scheduler,
             node_actors=lambda: self.supervisor.actors if self.supervisor is not None else [],
+            missed_runs=self.missed_runs,
             say=lambda m: self.console.print(m, markup=False),
         )
 
@@ -727,6 +744,9 @@ class JobDriver:
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+        if self._release_logs is not None:
+            self._release_logs()
+            self._release_logs = None
 
 
 def _is_trainer_failure(e: BaseException) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,11 @@ METRICS: dict[str, Spec] = {
         "gauge", _J, "Unix time of the last successful collection"
     ),
     "rollcall_collect_errors_total": Spec("counter", _J, "collections that failed"),
+    "rollcall_scheduler_missed_runs_total": Spec(
+        "counter",
+        (JOB, "scheduler_job"),
+        "control-plane runs dropped: started later than their misfire grace (in driver.log)",
+    ),
     # job and trainer
     "rollcall_policy_version": Spec("gauge", _J, "the job's policy version (committed steps)"),
     "rollcall_weights_version": Spec("gauge", _J, "the latest published weights version"),
@@ -143,6 +149,8 @@ COLLECTION = (
     "rollcall_collect_timestamp_seconds",
     "rollcall_collect_errors_total",
 )
+# counted by the driver's process, not read from the database (written by ``collect`` too)
+PROCESS = ("rollcall_scheduler_missed_runs_total",)
 # ``rollcall drill`` commands (the first word of a drill.completed event's ``drill``)
 DRILLS = ("kill-rollout", "kill-trainer", "restart-db", "kill-node")
 
@@ -204,6 +212,34 @@ def _family(name: str) -> Any:
     return SummaryMetricFamily(name, spec.help, labels=labels)
 
 
+class MissedRuns:
+    """The runs the control plane's scheduler dropped, by scheduler job id: APScheduler's
+    ``EVENT_JOB_MISSED``, a run that would have started later than its ``misfire_grace_time``
+    (APScheduler logs each one as "Run time of job ... was missed by ...")."""
+
+    def __init__(self, scheduler: Any) -> None:
+        from apscheduler.events import EVENT_JOB_MISSED
+
+        self._scheduler = scheduler
+        self._lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        scheduler.add_listener(self._missed, EVENT_JOB_MISSED)
+
+    def _missed(self, event: Any) -> None:
+        with self._lock:
+            self._counts[str(event.job_id)] += 1
+
+    def counts(self) -> dict[str, int]:
+        """Every job of the scheduler (0 when none of its runs was missed), and every job
+        that missed one."""
+        try:
+            ids = [job.id for job in self._scheduler.get_jobs()]
+        except Exception:  # shut down
+            ids = []
+        with self._lock:
+            return {**dict.fromkeys(ids, 0), **self._counts}
+
+
 class MetricsExporter(Collector):
     def __init__(
         self,
@@ -215,8 +251,10 @@ class MetricsExporter(Collector):
         publish_every: int = 1,
         total_steps: int | None = None,
         node_actors: Callable[[], list[Any]] | None = None,
+        missed_runs: MissedRuns | None = None,
     ) -> None:
         self.db = db
+        self.missed_runs = missed_runs
         self.job_id = job_id
         self.job_name = job_name
         self.checkpoint_every = checkpoint_every
@@ -317,7 +355,7 @@ class MetricsExporter(Collector):
 
     def _build(self, snap: JobSnapshot) -> list[Metric]:
         j = self.job_name
-        f = {name: _family(name) for name in METRICS if name not in COLLECTION}
+        f = {name: _family(name) for name in METRICS if name not in COLLECTION + PROCESS}
         p = snap.job
         f["rollcall_policy_version"].add_metric([j], p.policy_version)
         f["rollcall_weights_version"].add_metric([j], p.weights_version or 0)
@@ -413,6 +451,11 @@ class MetricsExporter(Collector):
             fam = _family(name)
             fam.add_metric([j], value)
             yield fam
+        missed = _family("rollcall_scheduler_missed_runs_total")
+        if self.missed_runs is not None:
+            for job, count in sorted(self.missed_runs.counts().items()):
+                missed.add_metric([j, job], count)
+        yield missed
         yield from families
 
     # -- the endpoint -------------------------------------------------------------------------
@@ -447,6 +490,7 @@ def start_exporter(
     *,
     scheduler: Any,
     node_actors: Callable[[], list[Any]] | None = None,
+    missed_runs: MissedRuns | None = None,
     say: Callable[[str], None] = log.info,
 ) -> MetricsExporter | None:
     """The driver's exporter (None when ``metrics.enabled`` is false): collected once, served,
@@ -462,6 +506,7 @@ def start_exporter(
         publish_every=cfg.trainer.sync_every,
         total_steps=cfg.run.total_steps,
         node_actors=node_actors,
+        missed_runs=missed_runs,
     )
     exporter.refresh()
     url = exporter.serve(m.host, m.port)

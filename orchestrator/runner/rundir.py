@@ -6,14 +6,18 @@ learning_curve.png   held-out reward per task against step
 weights/vNNNNNN/     published policy versions (the last few)
 checkpoints/step-N/  trainer checkpoints (model, optimizer, scheduler, step)
 final/               the final policy, ``save_pretrained`` format with its tokenizer
+driver.log           the driver's log records (library warnings, retries, errors in detail)
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +35,29 @@ class RunDir:
         self.checkpoints = root / "checkpoints"
         self.final = root / "final"
         self.curve = root / "learning_curve.png"
+        self.log_path = root / "driver.log"
         self._append_lock = threading.Lock()  # steps and evaluations append from two threads
+
+    def capture_logs(self) -> Callable[[], None]:
+        """Send this process's log records to ``driver.log`` instead of the terminal (where
+        Python prints warnings when no handler is set up: APScheduler's missed runs, the
+        retry layer's retries); an error still shows on stderr as one line naming the log.
+        Returns the function that undoes it."""
+        root = logging.getLogger()
+        to_file = logging.FileHandler(self.log_path, encoding="utf-8", delay=True)
+        to_file.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s")
+        )
+        errors = _ErrorLine(self.log_path)
+        root.addHandler(to_file)
+        root.addHandler(errors)
+
+        def release() -> None:
+            for h in (to_file, errors):
+                root.removeHandler(h)
+            to_file.close()
+
+        return release
 
     def write_config(self, resolved: dict[str, Any]) -> Path:
         data = json.loads(json.dumps(resolved))  # plain types only
@@ -86,3 +112,18 @@ class RunDir:
         fig.savefig(self.curve)
         plt.close(fig)
         return self.curve
+
+
+class _ErrorLine(logging.Handler):
+    """An error on the terminal: one line (its traceback is in the log file)."""
+
+    def __init__(self, log_path: Path) -> None:
+        super().__init__(logging.ERROR)
+        self.log_path = log_path
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            first = record.getMessage().splitlines()[0] if record.getMessage() else ""
+            sys.stderr.write(f"error: {first} (details in {self.log_path})\n")
+        except Exception:
+            self.handleError(record)

@@ -301,12 +301,13 @@ def test_database_restart_mid_run_declares_nobody_dead(
         server = EmbeddedPostgres(pg.home)
         t0 = time.monotonic()
         server.stop()
-        time.sleep(1.0)
+        # longer than control_plane.heartbeat_timeout_s (5 s), within the retries' window
+        time.sleep(cfg.control_plane.heartbeat_timeout_s + 1.5)
         server.ensure_running()
         outage["s"] = time.monotonic() - t0
 
     result = _run_with(driver, fault)
-    assert result.steps == 4 and outage["s"] > 1.0
+    assert result.steps == 4 and outage["s"] > cfg.control_plane.heartbeat_timeout_s
     engine.dispose()
     _assert_nothing_lost(db, engine, 4)
     kinds = [r[0] for r in rows(engine, "SELECT kind FROM events ORDER BY id")]
@@ -315,6 +316,8 @@ def test_database_restart_mid_run_declares_nobody_dead(
     # job (no fencing) and ended it as finished
     assert "job.driver_relocked" in kinds and "job.driver_fenced" not in kinds
     assert scalar(engine, "SELECT status::text FROM jobs WHERE name = 'chaos'") == "finished"
+    assert kinds.count("database.outage") == 1  # the driver's, once the database was back
+    assert "database unavailable" in (tmp_path / "run" / "driver.log").read_text()  # retries
 
 
 def _driver_state(engine: sa.Engine) -> dict[str, Any]:

@@ -284,6 +284,14 @@ def test_metrics_scraped_during_a_short_job(
                 "kind": re.compile(r"[a-z]+\.[a-z_]+"),
                 "drill": set(DRILLS),
                 "result": {"passed", "failed"},
+                "scheduler_job": {
+                    "seed",
+                    "lease-sweep",
+                    "staleness-expiry",
+                    "dead-worker-sweep",
+                    "supervise",
+                    "metrics",
+                },
             },
         )
     # moving: steps, trained samples, the rollout node's tokens, the trainer's timed steps

@@ -4,6 +4,7 @@ become error observations; the runner survives them."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, ClassVar
 
@@ -12,6 +13,10 @@ import pytest
 from tasks.base import BaseTask, Observation, TaskSpec, Tool
 from tasks.calculator import CalculatorSpec, CalculatorTask
 from workers.rollout.tools import ToolRunner
+
+# A lock of the node's, held by one of its threads (an agent loop, the heartbeat) while the
+# tool process starts; a tool takes it.
+NODE_LOCK = threading.Lock()
 
 
 class NastyTask(BaseTask):
@@ -43,7 +48,7 @@ class NastyTask(BaseTask):
     def tools(self, spec: TaskSpec) -> list[Tool]:
         return [
             Tool(n, n, {"type": "object", "required": []})
-            for n in ("hang", "boom", "die", "hog", "ok")
+            for n in ("hang", "boom", "die", "hog", "ok", "locked")
         ]
 
     def call_tool(
@@ -64,6 +69,9 @@ class NastyTask(BaseTask):
             _ = bytearray(4 * 1024**3)
         if name == "ok":
             return Observation("fine", {"n": state.get("n", 0) + 1})
+        if name == "locked":
+            with NODE_LOCK:
+                return Observation("got the lock", state)
         return super().call_tool(spec, prompt, state, name, arguments)
 
 
@@ -102,3 +110,26 @@ def test_real_tool_through_the_runner(runner: ToolRunner) -> None:
     assert (r.observation, r.state, r.done, r.error) == ("42", {"calc_calls": 1}, False, False)
     r = runner.call(task, spec, {"answer": "1"}, {}, "calc", {"expr": "6 * 7"})
     assert r.error and "missing argument(s): expression" in r.observation
+
+
+def test_the_tool_process_inherits_no_lock_of_the_nodes_threads(runner: ToolRunner) -> None:
+    """A rollout node has threads; a fork would copy a lock one of them holds into the tool
+    process, held there forever (no thread to release it), and the tool would hang. The
+    runner's process starts from a clean interpreter (forkserver), with the same timeouts."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with NODE_LOCK:
+            holding.set()
+            release.wait(60)
+
+    t = threading.Thread(target=hold, daemon=True)
+    t.start()
+    assert holding.wait(10)
+    try:
+        r = runner.call(NastyTask(), TaskSpec(), {}, {}, "locked", {})
+    finally:
+        release.set()
+        t.join(timeout=10)
+    assert (r.observation, r.error) == ("got the lock", False)
+    assert runner.start_method != "fork"

@@ -1,10 +1,18 @@
 """Running tool calls with a timeout, in isolation from the rollout node.
 
-``ToolRunner`` executes ``plugin.call_tool`` in a child process (forked once, reused): a tool
+``ToolRunner`` executes ``plugin.call_tool`` in a child process (started once, reused): a tool
 that raises, receives malformed arguments, runs past ``timeout_s`` or exceeds ``memory_mb``
 yields an error observation for the model, and the node carries on. A child that hangs or dies
 is killed and replaced. The environment state crosses the process boundary as JSON-ready data,
 which is also what the buffer checkpoints.
+
+The child is never a fork of the node: the node has threads (agent loops, heartbeats), and a
+fork copies the locks they hold into the child, held there forever. Children come from a
+forkserver instead, a single-threaded interpreter started once per process with this module
+imported, which forks each child: a replacement after a timeout costs a fork, not a Python
+start. The child acknowledges each call once it has read it (and imported the plugin's module
+to do so), and ``timeout_s`` counts from there: it bounds the tool, not a start on a loaded
+machine (bounded by ``START_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -14,12 +22,20 @@ import resource
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Final
 
 from tasks.base import Observation, TaskPlugin, TaskSpec, ToolError
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MEMORY_MB = 1024
+START_TIMEOUT_S = 60.0
+
+START_METHOD: Final = "forkserver"
+_CTX = mp.get_context(START_METHOD)
+# The forkserver imports this module (not the node's ``__main__``, which may be Ray's worker
+# script); it is started on the first tool process, so this applies unless something else in
+# the process started one first.
+_CTX.set_forkserver_preload([__name__])
 
 
 @dataclass(frozen=True)
@@ -40,6 +56,7 @@ def _serve(conn: Connection, memory_mb: int) -> None:
         except EOFError:
             return
         plugin, spec, prompt, state, name, arguments = msg
+        conn.send(("started",))
         try:
             obs: Observation = plugin.call_tool(spec, prompt, state, name, arguments)
             conn.send(("ok", obs.text, obs.state, obs.done))
@@ -61,7 +78,8 @@ class ToolRunner:
     ) -> None:
         self.timeout_s = timeout_s
         self.memory_mb = memory_mb
-        self._ctx = mp.get_context("fork")
+        self._ctx = _CTX
+        self.start_method = START_METHOD
         self._proc: Any = None
         self._conn: Connection | None = None
         self.restarts = 0
@@ -99,6 +117,15 @@ class ToolRunner:
         conn = self._ensure()
         try:
             conn.send((plugin, spec, prompt, state, name, arguments))
+            if not conn.poll(START_TIMEOUT_S):
+                self._kill()
+                return ToolResult(
+                    f"error: the tool {name!r} could not be started within {START_TIMEOUT_S:g} s",
+                    state,
+                    False,
+                    True,
+                )
+            conn.recv()  # ("started",): the tool runs from now
             if not conn.poll(self.timeout_s):
                 self._kill()
                 return ToolResult(

@@ -301,15 +301,20 @@ class EpisodeRepository:
 
     # -- requeue and quarantine --------------------------------------------------------------
 
-    def lock_expired_leases(self, job_id: int, limit: int = 1000) -> list[Any]:
+    def lock_expired_leases(
+        self, job_id: int, limit: int = 1000, *, held_until: Any = None
+    ) -> list[Any]:
+        """Leases expired on the database clock; with ``held_until`` (after an outage), none
+        before that time."""
         return list(
             self.session.execute(
                 text(
                     "SELECT id, task_id, attempts FROM episodes WHERE job_id = :job "
-                    "AND status = 'leased' AND lease_expires_at < now() "
+                    "AND status = 'leased' "
+                    "AND GREATEST(lease_expires_at, CAST(:held AS timestamptz)) < now() "
                     "ORDER BY id LIMIT :n FOR UPDATE SKIP LOCKED"
                 ),
-                {"job": job_id, "n": limit},
+                {"job": job_id, "n": limit, "held": held_until},
             ).all()
         )
 

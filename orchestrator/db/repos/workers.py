@@ -135,32 +135,42 @@ class WorkerRepository:
         return self.session.execute(text("SELECT now()")).scalar_one()
 
     def lock_overdue(
-        self, job_id: int, heartbeat_timeout_s: float, progress_timeout_s: float
+        self,
+        job_id: int,
+        heartbeat_timeout_s: float,
+        progress_timeout_s: float,
+        *,
+        since: Any = None,
     ) -> list[dict[str, Any]]:
         """Live workers whose heartbeat, or (rollout nodes that are up) progress, is overdue. A
-        node still ``starting`` is judged by its heartbeat only: its engine is loading."""
+        node still ``starting`` is judged by its heartbeat only: its engine is loading.
+        ``since`` (a database time, after an outage): no age counts from before it."""
         rows = self.session.execute(
             text(
                 """
                 SELECT id, name, role::text AS role, incarnation,
                        extract(epoch FROM now() - last_heartbeat_at) AS heartbeat_age_s,
-                       extract(epoch FROM now() - last_progress_at) AS progress_age_s
+                       extract(epoch FROM now() - last_progress_at) AS progress_age_s,
+                       now() - GREATEST(last_heartbeat_at, CAST(:since AS timestamptz))
+                           > make_interval(secs => :hb) AS heartbeat_overdue
                 FROM workers
                 WHERE job_id = :j AND status IN ('starting', 'alive')
-                  AND (now() - last_heartbeat_at > make_interval(secs => :hb)
+                  AND (now() - GREATEST(last_heartbeat_at, CAST(:since AS timestamptz))
+                           > make_interval(secs => :hb)
                        OR (role = 'rollout' AND status = 'alive'
-                           AND now() - last_progress_at > make_interval(secs => :pg)))
+                           AND now() - GREATEST(last_progress_at, CAST(:since AS timestamptz))
+                               > make_interval(secs => :pg)))
                 ORDER BY id FOR UPDATE SKIP LOCKED
                 """
             ),
-            {"j": job_id, "hb": heartbeat_timeout_s, "pg": progress_timeout_s},
+            {"j": job_id, "hb": heartbeat_timeout_s, "pg": progress_timeout_s, "since": since},
         ).all()
         out = []
         for r in rows:
             hb, pg = float(r.heartbeat_age_s), float(r.progress_age_s)
             reason = (
                 f"no heartbeat for {hb:.1f} s"
-                if hb > heartbeat_timeout_s
+                if r.heartbeat_overdue
                 else f"no generation progress for {pg:.1f} s"
             )
             out.append(
