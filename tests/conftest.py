@@ -206,6 +206,7 @@ def init_local_ray() -> None:
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_worker_niceness", "0")  # as the driver's local Ray (not 15)
     ray.init(
         address="local",
         num_cpus=8,

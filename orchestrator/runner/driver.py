@@ -196,6 +196,10 @@ class JobDriver:
             ray.init(address=self.cfg.ray.address, log_to_driver=False)
         else:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+            # Ray starts its workers at niceness 15 by default: beside ordinary work (nice 0)
+            # on a busy machine the job's own actors would get next to no CPU, and heartbeats,
+            # starts and steps would stall. The job is the machine's work: run them at 0.
+            os.environ.setdefault("RAY_worker_niceness", "0")
             ray.init(
                 address="local",  # a new local Ray, never one left behind by `ray start`
                 num_cpus=self.cfg.ray.num_cpus,

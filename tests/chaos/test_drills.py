@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -114,11 +115,22 @@ def test_randomized_chaos_run_loses_nothing(
         server.stop()
         server.ensure_running()
 
+    def outage() -> None:  # longer than the heartbeat timeout, within the retries
+        server.stop()
+        time.sleep(driver.cfg.control_plane.heartbeat_timeout_s + 1.5)
+        server.ensure_running()
+
     threading.Thread(target=run, daemon=True).start()
     try:
         _wait("a first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"))
         totals = run_chaos(
-            Drills(db, "chaos", timeout_s=90), 20, seed=1, restart_db=restart, say=lambda _: None
+            Drills(db, "chaos", timeout_s=90),
+            20,
+            seed=1,
+            restart_db=restart,
+            outage=outage,
+            overload_s=20.0,
+            say=lambda _: None,
         )
     finally:
         driver.request_stop()
@@ -127,6 +139,7 @@ def test_randomized_chaos_run_loses_nothing(
     assert "error" not in result, result.get("error")
     assert totals["faults"] == 20 and len(totals["by_kind"]) >= 3, totals
     assert totals["lost"] == 0 and totals["duplicated"] == 0 and totals["failed"] == 0, totals
+    assert totals["false_deaths"] == 0, totals
     job = scalar(engine, "SELECT id FROM jobs WHERE name = 'chaos'")
     report = check_invariants(db, job)
     assert report.ok, report.summary()

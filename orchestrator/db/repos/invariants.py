@@ -129,3 +129,27 @@ class InvariantRepository:
             {"ids": episode_ids},
         ).all()
         return [dict(r._asdict()) for r in rows]
+
+    def workers_ended_since(self, job_id: int, since_epoch_s: float) -> int:
+        """Worker incarnations of the job that ended dead or failed after ``since`` (epoch
+        seconds): the chaos run's deaths, to compare with the faults it aimed at workers."""
+        return int(
+            self.session.execute(
+                text(
+                    "SELECT count(*) FROM workers WHERE job_id = :j "
+                    "AND status IN ('dead', 'failed') AND stopped_at >= to_timestamp(:t)"
+                ),
+                {"j": job_id, "t": since_epoch_s},
+            ).scalar_one()
+        )
+
+    def events_since(self, job_id: int, kind: str, since_epoch_s: float) -> int:
+        return int(
+            self.session.execute(
+                text(
+                    "SELECT count(*) FROM events WHERE job_id = :j AND kind = :k "
+                    "AND created_at >= to_timestamp(:t)"
+                ),
+                {"j": job_id, "k": kind, "t": since_epoch_s},
+            ).scalar_one()
+        )
