@@ -186,22 +186,47 @@ class JobDriver:
             state = tx.batches.job_state(self.job_id)
             self.step = state.policy_version
             last = tx.batches.last_checkpoint(self.job_id)
+            published = tx.batches.published_weights(self.job_id)
         if self.step > 0:
-            if last is None:
-                raise ConflictError(
-                    f"job {cfg.job.name!r} is at step {self.step} but has no checkpoint to "
-                    "resume the trainer from"
-                )
-            ckpt_step, uri = last
-            self.trainer.load_checkpoint(uri)
-            if ckpt_step + 1 < self.step:
-                self.console.print(
-                    f"warning: the last checkpoint is of step {ckpt_step}; the updates of steps "
-                    f"{ckpt_step + 1}..{self.step - 1} were lost with the trainer (their "
-                    "trajectories stay consumed). Set trainer.checkpoint_every: 1 to lose none.",
-                    markup=False,
-                )
-            self.console.print(f"resumed the trainer from {uri} (step {ckpt_step})", markup=False)
+            self._restore_trainer(last, published)
+
+    def _restore_trainer(
+        self, last: tuple[int, str] | None, published: tuple[int, str] | None
+    ) -> None:
+        """Bring the new trainer to the newest state the job kept: the last checkpoint (model,
+        optimizer, schedule; the checkpoint of step k holds version k + 1), then, when a
+        version published since is newer, that version's weights (the optimizer keeps the
+        checkpoint's moments; the schedule moves to the version). So the weights the trainer
+        continues from are the last published ones or a descendant of them, never older: no
+        weights older than a version the nodes saw get published under a newer version."""
+        ckpt_version = last[0] + 1 if last is not None else 0
+        pub_version = published[0] if published is not None else 0
+        if max(ckpt_version, pub_version) == 0:
+            raise ConflictError(
+                f"job {self.cfg.job.name!r} is at step {self.step} but has no checkpoint and "
+                "no published weights to resume the trainer from"
+            )
+        restored = ckpt_version
+        if last is not None:
+            self.trainer.load_checkpoint(last[1])
+        if published is not None and pub_version > ckpt_version:
+            self.trainer.load_weights(published[1], pub_version)
+            restored = pub_version
+        if restored < self.step:
+            self.console.print(
+                f"warning: the updates of steps {restored}..{self.step - 1} were lost with the "
+                "trainer (neither checkpointed nor published; their trajectories stay "
+                f"consumed); training continues from version {restored}'s weights. Set "
+                "trainer.checkpoint_every: 1 or trainer.sync_every: 1 to lose none.",
+                markup=False,
+            )
+        parts = [f"the checkpoint of step {last[0]} ({last[1]})"] if last is not None else []
+        if published is not None and restored > ckpt_version:
+            parts.append(
+                f"the weights published as version {pub_version} ({published[1]}), newer "
+                "than the checkpoint (its optimizer state kept)"
+            )
+        self.console.print(f"resumed the trainer from {' and '.join(parts)}", markup=False)
 
     def request_stop(self) -> None:
         """Finish after the current step (then stop the nodes, evaluate, save the policy);
@@ -225,6 +250,13 @@ class JobDriver:
             self.buffer.requeue_worker(wid, WorkerStatus.DEAD)
         released = self.buffer.release_trainer_claims()
         reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        # the failure is on record before any restart is tried (which may take long, or fail)
+        self.buffer.event(
+            "trainer.down",
+            f"trainer down at step {self.step} ({released} claimed trajectories returned for "
+            f"replay): {reason}",
+            {"step": self.step, "reason": reason, "failures": self.trainer_restarts},
+        )
         if self.trainer_restarts > budget:
             self.buffer.event(
                 "trainer.failed",

@@ -108,6 +108,13 @@ class TrainerGroup:
     def load_checkpoint(self, path: str) -> int:
         return int(self._all("load_checkpoint", path)[0])
 
+    def load_weights(self, location: str, version: int) -> None:
+        """The model from published version ``version`` (``TrainerRank.load_published``; the
+        optimizer state stays the last loaded checkpoint's, the schedule moves to the
+        version's update count, recorded in its file; else estimated as ``mini_batches`` per
+        step)."""
+        self._all("load_published", location, version * self.config.mini_batches)
+
     def save_final(self, out: str) -> str:
         return str(self._all("save_final", out)[0])
 

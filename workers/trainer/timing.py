@@ -179,6 +179,9 @@ class TimingTrainerGroup:
     def load_checkpoint(self, path: str) -> int:
         return int(self._call("load_checkpoint", path))
 
+    def load_weights(self, location: str, version: int) -> None:
+        """Nothing to load: the timing model's weights never change."""
+
     def save_final(self, out: str) -> str:
         return str(self._call("save_final", out))
 
