@@ -69,6 +69,10 @@ class TrainerRank:
 
     # -- set-up -------------------------------------------------------------------------------
 
+    def pid(self) -> int:
+        """Answered as soon as the actor runs: Ray placed it (``wait_placed``)."""
+        return os.getpid()
+
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process group (called on rank 0 only)."""
         host = socket.gethostbyname(socket.gethostname()) if self.world > 1 else "127.0.0.1"
@@ -353,7 +357,7 @@ class TrainerRank:
 
         recorded = read_metadata(location).get("updates")
         updates = int(recorded) if recorded is not None else updates
-        sd = load_file(str(Path(location) / WEIGHTS_FILE))
+        sd: dict[str, Any] = load_file(str(Path(location) / WEIGHTS_FILE))
         if self.tie and "lm_head.weight" not in sd:  # published without the tied copy
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True))
