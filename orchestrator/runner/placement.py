@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +79,7 @@ def _show(bundle: Mapping[str, float]) -> str:
 
 
 def check_fits(
-    cfg: RollcallConfig, cluster: Mapping[str, float], nodes: list[Mapping[str, float]]
+    cfg: RollcallConfig, cluster: Mapping[str, float], nodes: Sequence[Mapping[str, float]]
 ) -> None:
     """Raise ``UserError`` (one sentence naming what is short and the fields to change) when
     the job's slots need more than ``cluster`` (``ray.cluster_resources()``) has in all, or one
