@@ -227,6 +227,12 @@ class RayConfig(StrictModel):
 
     address: str | None = None
     num_cpus: int | None = Field(default=None, ge=1)
+    placement_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="the job's reserved resources must be placed by then at start, and a "
+        "restarted trainer's ranks in their reserved slots",
+    )
 
 
 class RolloutConfig(StrictModel):
@@ -332,6 +338,12 @@ class TrainerConfig(StrictModel):
         default=3, ge=0, description="trainer restarts within restart_window_s before giving up"
     )
     restart_window_s: float = Field(default=600.0, gt=0)
+    start_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="a (re)started trainer whose placed ranks have not finished their set-up "
+        "(model load, process group) by then is a failed start",
+    )
     call_timeout_s: float = Field(
         default=1800.0,
         gt=0,

@@ -84,6 +84,9 @@ METRICS: dict[str, Spec] = {
     "rollcall_checkpoint_save_seconds": Spec("histogram", _J, "seconds to save a checkpoint"),
     "rollcall_weight_publish_seconds": Spec("histogram", _J, "seconds to publish new weights"),
     "rollcall_trainer_restarts_total": Spec("counter", _J, "trainer group restarts"),
+    "rollcall_trainer_start_failures_total": Spec(
+        "counter", _J, "trainer (re)starts that failed (not placed, or not set up, in time)"
+    ),
     # tasks: quota, mix, throughput, reward
     "rollcall_task_weight": Spec("gauge", _T, "the task's quota weight"),
     "rollcall_task_quota_ratio": Spec("gauge", _T, "weight / total weight of the job's tasks"),
@@ -372,6 +375,9 @@ class MetricsExporter(Collector):
             f[name].add_metric([j], buckets=h.samples(), sum_value=h.sum)
         f["rollcall_trainer_restarts_total"].add_metric(
             [j], snap.events.get("trainer.restarted", 0)
+        )
+        f["rollcall_trainer_start_failures_total"].add_metric(
+            [j], snap.events.get("trainer.start_failed", 0)
         )
         for t in snap.tasks:
             lt = [j, t.name]

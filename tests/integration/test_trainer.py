@@ -160,3 +160,41 @@ def test_a_step_moves_the_policy_towards_the_rewarded_sample(
     # sign(grad) * lr for every parameter, so shared features can lift them a little too)
     assert min(delta[0], delta[2]) > 0.05, delta
     assert max(delta[1], delta[3]) < min(delta[0], delta[2]) - 0.05, delta
+
+
+@pytest.mark.timeout(600)
+def test_two_ranks_load_published_weights_newer_than_their_checkpoint(
+    ray_local: Any, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A restart whose checkpoint is older than the last published version: each rank takes
+    its shard of the published weights, the schedule moves to the version (the optimizer
+    keeps the checkpoint's moments)."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny_dir).vocab_size
+    config = _config(2).model_copy(update={"warmup_steps": 2, "schedule": "cosine"})
+    group = TrainerGroup(config, str(tiny_dir), total_steps=5, seed=0)
+    try:
+        group.train(_plan(0, vocab, 2, LOSS))
+        ckpt = group.save_checkpoint(str(tmp_path / "ckpt-0"), 0)  # version 1
+        for step in (1, 2):
+            group.train(_plan(step, vocab, 2, LOSS))
+        published = group.publish(str(tmp_path / "weights"), 3)
+        lr_next = group.train(_plan(3, vocab, 2, LOSS))["lr"]
+    finally:
+        group.shutdown()
+    group = TrainerGroup(config, str(tiny_dir), total_steps=5, seed=0)
+    try:
+        group.load_checkpoint(ckpt)
+        group.load_weights(published, 3)
+        probe = _weights(group, tmp_path / "probe", 3)
+        lr_resumed = group.train(_plan(3, vocab, 2, LOSS))["lr"]
+    finally:
+        group.shutdown()
+    from safetensors.torch import load_file
+
+    v3 = load_file(str(Path(published) / WEIGHTS_FILE))
+    assert probe.keys() == v3.keys()
+    for k in v3:
+        torch.testing.assert_close(probe[k], v3[k], rtol=0, atol=0)
+    assert lr_resumed == pytest.approx(lr_next)

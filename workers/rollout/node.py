@@ -709,13 +709,19 @@ def _ray_node_id() -> str | None:
 
 
 def rollout_actor(
-    num_cpus: float = 1.0, num_gpus: float = 0.0, resources: dict[str, float] | None = None
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+    resources: dict[str, float] | None = None,
+    scheduling_strategy: Any = None,
 ) -> Any:
     """The Ray actor class for rollout nodes. Threaded, so ``stop``, ``report`` and
     ``load_weights`` run while ``run`` does. Ray does not restart it: the driver's supervisor
-    does, with backoff and a budget (a new incarnation rebuilds from the database)."""
+    does, with backoff and a budget (a new incarnation rebuilds from the database).
+    ``scheduling_strategy``: where Ray places it (the driver: the slot's reserved bundle,
+    ``orchestrator/runner/placement.py``); None: anywhere with room."""
     import ray
 
+    placement = {} if scheduling_strategy is None else {"scheduling_strategy": scheduling_strategy}
     return ray.remote(  # type: ignore[call-overload]
         num_cpus=num_cpus,
         num_gpus=num_gpus,
@@ -723,4 +729,5 @@ def rollout_actor(
         max_restarts=0,
         max_task_retries=0,
         max_concurrency=8,
+        **placement,
     )(RolloutNode)

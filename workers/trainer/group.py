@@ -24,6 +24,32 @@ class TrainerTimeoutError(TimeoutError):
     """A trainer call did not return within ``trainer.call_timeout_s``."""
 
 
+class TrainerStartError(TrainerTimeoutError):
+    """A trainer (re)start did not finish within its bound: the ranks were not placed within
+    ``ray.placement_timeout_s`` (``placed`` False), or their set-up did not finish within
+    ``trainer.start_timeout_s``."""
+
+    def __init__(self, message: str, *, placed: bool) -> None:
+        super().__init__(message)
+        self.placed = placed
+
+
+def wait_placed(refs: list[Any], timeout_s: float) -> None:
+    """Wait for each rank's first call (``pid``: answered once Ray placed the actor and its
+    process runs); ``TrainerStartError`` naming the ranks not placed within ``timeout_s``."""
+    import ray
+
+    ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        missing = [str(i) for i, ref in enumerate(refs) if ref not in ready]
+        raise TrainerStartError(
+            f"trainer rank(s) {', '.join(missing)} not placed within {timeout_s:g} s "
+            "(ray.placement_timeout_s): Ray did not start them in their reserved slots",
+            placed=False,
+        )
+    ray.get(ready)  # an actor that died at creation raises here
+
+
 class TrainerGroup:
     def __init__(
         self,
@@ -35,7 +61,12 @@ class TrainerGroup:
         temperature: float = 1.0,
         database_url: str | None = None,
         job_id: int | None = None,
+        scheduling: list[Any] | None = None,
+        placement_timeout_s: float = 120.0,
     ) -> None:
+        """``scheduling``: each rank's Ray scheduling strategy (its reserved slot). The ranks
+        must be placed within ``placement_timeout_s`` and set up within
+        ``trainer.start_timeout_s`` (``TrainerStartError`` otherwise)."""
         self.config = config
         settings = RankSettings(
             model_dir=model_dir,
@@ -58,16 +89,32 @@ class TrainerGroup:
             config.cpus_per_rank, 1.0 if config.device == "cuda" else 0.0, config.resources
         )
         world = config.ranks
-        self.ranks = [actor.remote(r, world, settings) for r in range(world)]
+        self.ranks = [
+            (actor.options(scheduling_strategy=scheduling[r]) if scheduling else actor).remote(
+                r, world, settings
+            )
+            for r in range(world)
+        ]
         try:
-            master = self._get("address", self.ranks[0].address.remote())
-            self.info = self._get("setup", [r.setup.remote(master) for r in self.ranks])
+            wait_placed([r.pid.remote() for r in self.ranks], placement_timeout_s)
+            bound = (config.start_timeout_s, "trainer.start_timeout_s")
+            try:
+                master = self._get("address", self.ranks[0].address.remote(), *bound)
+                self.info = self._get("setup", [r.setup.remote(master) for r in self.ranks], *bound)
+            except TrainerTimeoutError as e:
+                raise TrainerStartError(str(e), placed=True) from None
         except BaseException:
             self.kill()
             raise
         self.worker_ids = [i["worker_id"] for i in self.info if i["worker_id"] is not None]
 
-    def _get(self, method: str, refs: Any, timeout_s: float | None = None) -> Any:
+    def _get(
+        self,
+        method: str,
+        refs: Any,
+        timeout_s: float | None = None,
+        field: str = "trainer.call_timeout_s",
+    ) -> Any:
         import ray
 
         timeout = self.config.call_timeout_s if timeout_s is None else timeout_s
@@ -75,8 +122,7 @@ class TrainerGroup:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise TrainerTimeoutError(
-                f"trainer call {method} did not return within {timeout:.0f} s "
-                "(trainer.call_timeout_s)"
+                f"trainer call {method} did not return within {timeout:.0f} s ({field})"
             ) from None
 
     def _all(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
@@ -107,6 +153,13 @@ class TrainerGroup:
 
     def load_checkpoint(self, path: str) -> int:
         return int(self._all("load_checkpoint", path)[0])
+
+    def load_weights(self, location: str, version: int) -> None:
+        """The model from published version ``version`` (``TrainerRank.load_published``; the
+        optimizer state stays the last loaded checkpoint's, the schedule moves to the
+        version's update count, recorded in its file; else estimated as ``mini_batches`` per
+        step)."""
+        self._all("load_published", location, version * self.config.mini_batches)
 
     def save_final(self, out: str) -> str:
         return str(self._all("save_final", out)[0])

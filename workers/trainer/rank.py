@@ -69,6 +69,10 @@ class TrainerRank:
 
     # -- set-up -------------------------------------------------------------------------------
 
+    def pid(self) -> int:
+        """Answered as soon as the actor runs: Ray placed it (``wait_placed``)."""
+        return os.getpid()
+
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process group (called on rank 0 only)."""
         host = socket.gethostbyname(socket.gethostname()) if self.world > 1 else "127.0.0.1"
@@ -287,7 +291,8 @@ class TrainerRank:
         sd = self.full_state_dict()
         if sd is None:
             return None
-        return publish(sd, Path(root), version, keep=keep)
+        # the optimizer updates behind these weights: a restart from them resumes the schedule
+        return publish(sd, Path(root), version, keep=keep, metadata={"updates": str(self.updates)})
 
     def save_checkpoint(self, path: str, step: int) -> str:
         """Model, optimizer, scheduler and step, written to a temporary folder and renamed
@@ -333,6 +338,37 @@ class TrainerRank:
         self.sched.load_state_dict(extra["scheduler"])
         self.updates = int(extra["updates"])
         return int(extra["step"])
+
+    def load_published(self, location: str, updates: int) -> int:
+        """Set the model's weights to a published version's (collective: every rank reads the
+        file and keeps its shard; published files live on storage all ranks see). The
+        optimizer is left as it is: its AdamW moments (``exp_avg``, ``exp_avg_sq``) and their
+        step counts stay those of the last checkpoint loaded before (or zero and none without
+        one), older than the weights by the steps in between. The learning-rate schedule moves
+        to the optimizer updates that produced the version: the count its file records, else
+        ``updates`` (the caller's estimate). Returns the count used."""
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        from workers.trainer.weights import WEIGHTS_FILE, read_metadata
+
+        recorded = read_metadata(location).get("updates")
+        updates = int(recorded) if recorded is not None else updates
+        sd: dict[str, Any] = load_file(str(Path(location) / WEIGHTS_FILE))
+        if self.tie and "lm_head.weight" not in sd:  # published without the tied copy
+            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True))
+        self.updates = updates
+        self.sched.last_epoch = updates
+        for group, base, factor in zip(
+            self.opt.param_groups, self.sched.base_lrs, self.sched.lr_lambdas, strict=True
+        ):
+            group["lr"] = base * factor(updates)
+        self.sched._last_lr = [g["lr"] for g in self.opt.param_groups]
+        return updates
 
     def save_final(self, out: str) -> str | None:
         """The policy as a plain transformers model with its tokenizer (collective)."""

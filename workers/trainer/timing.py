@@ -60,6 +60,9 @@ class TimingTrainerRank:
         self._stop = threading.Event()
         self.buffer: Any = None
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def setup(self) -> dict[str, Any]:
         if self.database_url is not None and self.job_id is not None:
             self._register(self.database_url, self.job_id)
@@ -148,16 +151,34 @@ class TimingTrainerGroup:
         temperature: float = 1.0,
         database_url: str | None = None,
         job_id: int | None = None,
+        scheduling: list[Any] | None = None,
+        placement_timeout_s: float = 120.0,
     ) -> None:
         import ray
+
+        from workers.trainer.group import TrainerStartError, wait_placed
 
         assert config.timing_model is not None
         self.config = config
         actor = timing_trainer_actor(config.cpus_per_rank, config.resources)
+        if scheduling:
+            actor = actor.options(scheduling_strategy=scheduling[0])
         self.rank: Any = actor.remote(
             config.timing_model, lr=config.lr, database_url=database_url, job_id=job_id
         )
-        self.info = [ray.get(self.rank.setup.remote())]
+        try:
+            wait_placed([self.rank.pid.remote()], placement_timeout_s)
+            try:
+                self.info = [ray.get(self.rank.setup.remote(), timeout=config.start_timeout_s)]
+            except ray.exceptions.GetTimeoutError:
+                raise TrainerStartError(
+                    f"trainer call setup did not return within {config.start_timeout_s:.0f} s "
+                    "(trainer.start_timeout_s)",
+                    placed=True,
+                ) from None
+        except BaseException:
+            self.kill()
+            raise
         self.worker_ids = [i["worker_id"] for i in self.info if i["worker_id"] is not None]
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -178,6 +199,9 @@ class TimingTrainerGroup:
 
     def load_checkpoint(self, path: str) -> int:
         return int(self._call("load_checkpoint", path))
+
+    def load_weights(self, location: str, version: int) -> None:
+        """Nothing to load: the timing model's weights never change."""
 
     def save_final(self, out: str) -> str:
         return str(self._call("save_final", out))

@@ -26,11 +26,20 @@ def version_dir(root: Path, version: int) -> Path:
     return root / f"v{version:06d}"
 
 
-def publish(state_dict: dict[str, Any], root: Path, version: int, *, keep: int = 3) -> str:
+def publish(
+    state_dict: dict[str, Any],
+    root: Path,
+    version: int,
+    *,
+    keep: int = 3,
+    metadata: dict[str, str] | None = None,
+) -> str:
+    """``metadata``: more string entries for the file's header (besides ``version``)."""
     from safetensors.torch import save_file
 
+    meta = {**(metadata or {}), "version": str(version)}
     return publish_with(
-        lambda path: save_file(state_dict, str(path), metadata={"version": str(version)}),
+        lambda path: save_file(state_dict, str(path), metadata=meta),
         root,
         version,
         keep=keep,
@@ -53,6 +62,14 @@ def publish_with(write: Callable[[Path], None], root: Path, version: int, *, kee
     for old in versions[: max(0, len(versions) - keep)]:
         shutil.rmtree(old, ignore_errors=True)
     return str(final)
+
+
+def read_metadata(location: str | Path) -> dict[str, str]:
+    """The string entries of a published version's header (``version``, ``updates``)."""
+    with (Path(location) / WEIGHTS_FILE).open("rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(size)).get("__metadata__") or {}
+    return {str(k): str(v) for k, v in meta.items()}
 
 
 def published_versions(root: Path) -> list[int]:

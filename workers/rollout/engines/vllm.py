@@ -269,6 +269,10 @@ class VLLMEngine:
             "worker_extension_cls": f"{__name__}.{RollcallWorkerExtension.__name__}",
             "disable_log_stats": True,
         }
+        if config.tensor_parallel_size > 1:
+            # the node's GPUs are its reserved slot's: inside a placement group vLLM would
+            # pick its Ray executor and ask Ray for more; its workers run as processes
+            kwargs["distributed_executor_backend"] = "mp"
         for name in ("max_model_len", "max_num_seqs"):  # unset: vLLM's defaults
             if getattr(config, name) is not None:
                 kwargs[name] = getattr(config, name)
