@@ -101,6 +101,7 @@ class JobDriver:
     # -- set-up -------------------------------------------------------------------------------
 
     def setup(self) -> None:
+        from orchestrator.quotas import BatchPolicy
         from orchestrator.services.jobs import create_job
         from orchestrator.services.tasks import ensure_tasks
 
@@ -122,8 +123,9 @@ class JobDriver:
                 job = create_job(
                     tx, cfg.job.name, config=cfg.model_dump(mode="json"), actor=self.actor
                 )
+            policy = BatchPolicy(cfg.buffer.batch_groups, cfg.trainer.sync_every, sync)
             for line in ensure_tasks(
-                tx, job_name=job.name, tasks=cfg.tasks, actor=self.actor, sync=sync
+                tx, job_name=job.name, tasks=cfg.tasks, actor=self.actor, sync=sync, policy=policy
             ):
                 self.console.print(line, markup=False)
         if not cfg.tasks:
