@@ -13,9 +13,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator import bounds as b
+
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # --- advantage estimators (per group of samples of one prompt) --------------------------------
@@ -25,7 +27,7 @@ class GRPOAdvantage(_Strict):
     """(r - mean) / (std + eps), std with Bessel's correction (n - 1), as TRL and verl."""
 
     kind: Literal["grpo"] = "grpo"
-    eps: float = Field(default=1e-6, gt=0)
+    eps: Annotated[float, b.EPS.field()] = 1e-6
 
 
 class DrGRPOAdvantage(_Strict):
@@ -51,7 +53,7 @@ class TruncatedIS(_Strict):
     of the step; each token's PPO term is weighted by min(pi_old / pi_behaviour, cap)."""
 
     kind: Literal["tis"] = "tis"
-    cap: float = Field(default=2.0, ge=1.0)
+    cap: Annotated[float, b.IS_CAP.field()] = 2.0
 
 
 class DecoupledPPO(_Strict):
@@ -61,7 +63,7 @@ class DecoupledPPO(_Strict):
     (weight 0) rather than truncated."""
 
     kind: Literal["decoupled"] = "decoupled"
-    cap: float | None = Field(default=None, ge=1.0)
+    cap: Annotated[float, b.IS_CAP.field()] | None = None
 
 
 Correction = Annotated[NoCorrection | TruncatedIS | DecoupledPPO, Field(discriminator="kind")]
@@ -88,7 +90,7 @@ class ConstantNormaliser(_Strict):
     sequence's length."""
 
     kind: Literal["constant"] = "constant"
-    max_tokens: int = Field(default=4096, ge=1)
+    max_tokens: Annotated[int, b.tokens(1).field()] = 4096
 
 
 Aggregation = Annotated[
@@ -100,7 +102,7 @@ class KLPenalty(_Strict):
     """KL(pi_theta || pi_ref) per token, added to the loss with ``coef``; 0: no reference model
     and no reference forward at all."""
 
-    coef: float = Field(default=0.0, ge=0.0)
+    coef: Annotated[float, b.COEF.field()] = 0.0
     estimator: Literal["k1", "k3"] = "k3"
 
 
@@ -112,12 +114,12 @@ class LossConfig(_Strict):
         default=False,
         description="drop groups whose rewards are all equal (dynamic sampling); counted",
     )
-    clip_low: float = Field(default=0.2, gt=0, lt=1)
-    clip_high: float = Field(default=0.28, gt=0)
+    clip_low: Annotated[float, b.CLIP_LOW.field()] = 0.2
+    clip_high: Annotated[float, b.CLIP_HIGH.field()] = 0.28
     correction: Correction = Field(default_factory=TruncatedIS)
     aggregation: Aggregation = Field(default_factory=TokenMean)
     kl: KLPenalty = Field(default_factory=KLPenalty)
-    entropy_coef: float = Field(default=0.0, ge=0.0)
-    temperature: float = Field(
-        default=1.0, gt=0, description="the rollout sampling temperature; log-probs use it too"
+    entropy_coef: Annotated[float, b.COEF.field()] = 0.0
+    temperature: Annotated[float, b.TEMPERATURE.field()] = Field(
+        default=1.0, description="the rollout sampling temperature; log-probs use it too"
     )

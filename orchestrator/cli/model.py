@@ -47,8 +47,16 @@ def init(
     built-in tasks, save it with save_pretrained, and print its starting reward per task."""
     import time
 
+    from orchestrator import bounds
     from orchestrator.errors import UserError
 
+    bounds.SEED.check("--seed", seed)
+    bounds.MODEL_HIDDEN.check("--hidden", hidden)
+    bounds.MODEL_LAYERS.check("--layers", layers)
+    bounds.MODEL_HEADS.check("--heads", heads)
+    bounds.SFT_STEPS.check("--steps", steps)
+    bounds.SFT_STEPS.check("--copy-steps", copy_steps)
+    bounds.EPISODES.check("--eval-episodes", eval_episodes)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} is not empty; choose a new directory")
     from workers.tiny_model import build_model, build_tokenizer
@@ -57,7 +65,7 @@ def init(
     say = console()
     t0 = time.monotonic()
     tokenizer = build_tokenizer()
-    heads = heads or max(1, hidden // 32)
+    heads = max(1, hidden // 32) if heads is None else heads
     if hidden % heads:
         raise UserError(f"--hidden {hidden} is not a multiple of --heads {heads}")
     model = build_model(

@@ -47,19 +47,21 @@ def preview(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Run N episodes of a task and show each turn, what is trained on, tool calls and rewards."""
+    from orchestrator import bounds
     from orchestrator.config import read_yaml_mapping
     from orchestrator.errors import UserError
     from orchestrator.services.tasks import resolve_plugin, validate_spec
     from tasks import registry
 
+    bounds.PREVIEW_EPISODES.check("-n", n)
+    bounds.TEMPERATURE.check("--temperature", temperature)
+    bounds.tokens(1).check("--max-tokens-per-turn", max_tokens_per_turn)
     resolve_plugin(task)
     if not (model / "config.json").exists():
         raise UserError(
             f"--model {model} holds no model (config.json missing); build one with "
             "`rollcall model init`"
         )
-    if n < 1:
-        raise UserError("-n must be at least 1")
     plugin = registry.get(task)
     spec_data = validate_spec(
         task, read_yaml_mapping(spec, "spec") if spec else {}, str(spec or "spec")

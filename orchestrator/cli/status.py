@@ -127,19 +127,23 @@ def status(
         bool, typer.Option("--watch", help="Refresh until interrupted (Ctrl-C).")
     ] = False,
     interval: Annotated[
-        float, typer.Option("--interval", min=0.1, help="Seconds between refreshes (--watch).")
+        float, typer.Option("--interval", help="Seconds between refreshes (--watch).")
     ] = 2.0,
     count: Annotated[
-        int, typer.Option("--count", min=0, help="With --watch: stop after N refreshes (0: never).")
+        int, typer.Option("--count", help="With --watch: stop after N refreshes (0: never).")
     ] = 0,
-    events: Annotated[int, typer.Option("--events", min=0, help="Recent events to show.")] = 10,
+    events: Annotated[int, typer.Option("--events", help="Recent events to show.")] = 10,
     json_out: JsonOpt = False,
 ) -> None:
     """A job at a glance: progress, tasks with quotas and live mix, nodes with heartbeat age
     and restarts, buffer depth, recent events. With --watch --json, one JSON object per line."""
+    from orchestrator import bounds
     from orchestrator.db.retry import is_transient
     from orchestrator.services.status import status_document
 
+    bounds.WATCH_INTERVAL.check("--interval", interval)
+    bounds.REFRESHES.check("--count", count)
+    bounds.EVENTS_SHOWN.check("--events", events)
     db = open_db(ctx)
     out = console()
     live: Any = None
@@ -278,8 +282,10 @@ def events(
     json_out: JsonOpt = False,
 ) -> None:
     """The audit log: operator actions, restarts, quarantines, drills, oldest first."""
+    from orchestrator import bounds
     from orchestrator.services.status import list_events, parse_since
 
+    bounds.EVENTS_LIMIT.check("--limit", limit)
     if since is not None:  # bad input is refused before the database is opened
         from datetime import UTC, datetime
 

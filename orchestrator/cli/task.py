@@ -42,13 +42,13 @@ def register(
     ],
     job: JobOpt = "default",
     weight: Annotated[
-        float, typer.Option(help="Share of rollout claims and batch groups.")
+        float, typer.Option(help="Share of rollout claims and batch groups (1e-6 to 1e6).")
     ] = DEFAULT_WEIGHT,
     max_inflight: Annotated[
-        int, typer.Option(help="Most episodes leased at once.")
+        int, typer.Option(help="Most episodes leased at once (1 to 100000).")
     ] = DEFAULT_MAX_INFLIGHT,
     max_staleness: Annotated[
-        int, typer.Option(help="Most policy versions a trained trajectory may lag.")
+        int, typer.Option(help="Most policy versions a trained trajectory may lag (0 to 1000).")
     ] = DEFAULT_MAX_STALENESS,
     spec: Annotated[
         Path | None,
@@ -222,13 +222,13 @@ def set_quota(
     name: NameArg,
     job: JobOpt = "default",
     weight: Annotated[
-        float | None, typer.Option(help="New weight (> 0).", show_default=False)
+        float | None, typer.Option(help="New weight (1e-6 to 1e6).", show_default=False)
     ] = None,
     max_inflight: Annotated[
-        int | None, typer.Option(help="New in-flight cap (>= 1).", show_default=False)
+        int | None, typer.Option(help="New in-flight cap (1 to 100000).", show_default=False)
     ] = None,
     max_staleness: Annotated[
-        int | None, typer.Option(help="New staleness bound (>= 0).", show_default=False)
+        int | None, typer.Option(help="New staleness bound (0 to 1000).", show_default=False)
     ] = None,
 ) -> None:
     """Change a task's quota; takes effect on the next claim."""

@@ -124,6 +124,7 @@ class JobDriver:
     # -- set-up -------------------------------------------------------------------------------
 
     def setup(self) -> None:
+        from orchestrator.quotas import BatchPolicy
         from orchestrator.services.jobs import create_job
         from orchestrator.services.tasks import ensure_tasks
 
@@ -159,8 +160,9 @@ class JobDriver:
                     f"job {cfg.job.name!r} already trained {job.policy_version} steps; pass "
                     "--resume to continue it, or set job.name to start a new job"
                 )
+            policy = BatchPolicy(cfg.buffer.batch_groups, cfg.trainer.sync_every, sync)
             for line in ensure_tasks(
-                tx, job_name=job.name, tasks=cfg.tasks, actor=self.actor, sync=sync
+                tx, job_name=job.name, tasks=cfg.tasks, actor=self.actor, sync=sync, policy=policy
             ):
                 self.console.print(line, markup=False)
             epoch = self.lifecycle.start(tx, resume=self.resume)

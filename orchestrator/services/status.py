@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from orchestrator import bounds
 from orchestrator.db.engine import Tx
 from orchestrator.db.repos.monitoring import DrillCount, JobProgress, StepSummary
 from orchestrator.domain import JobView
@@ -304,7 +305,10 @@ def parse_since(value: str, now: datetime) -> datetime:
     8601 time (``2026-01-31T12:00:00+00:00``; without a zone, UTC)."""
     m = _DURATION_RE.match(value.strip())
     if m:
-        return now - timedelta(seconds=float(m[1]) * _UNIT_S[m[2]])
+        back = float(m[1]) * _UNIT_S[m[2]]
+        if back > bounds.SINCE_MAX_S:
+            raise UserError(f"--since {value!r} reaches back more than a century; pass e.g. 2h")
+        return now - timedelta(seconds=back)
     try:
         at = datetime.fromisoformat(value.strip())
     except ValueError:
@@ -325,8 +329,7 @@ def list_events(
 ) -> list[dict[str, Any]]:
     """Events, oldest first: of one job (or every job), from ``since``, of one ``kind`` (or
     every kind under a prefix ending in a dot, e.g. ``task.``)."""
-    if limit < 1:
-        raise UserError(f"--limit must be at least 1 (got {limit})")
+    bounds.EVENTS_LIMIT.check("--limit", limit)
     at = parse_since(since, tx.workers.db_now()) if since else None
     job_id = require_job(tx, job_name).id if job_name is not None else None
     return [e.to_json() for e in tx.events.list(job_id=job_id, kind=kind, since=at, limit=limit)]

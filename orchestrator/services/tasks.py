@@ -12,11 +12,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from orchestrator import bounds
 from orchestrator.config import TaskConfig, check_name, format_validation_error, read_yaml_mapping
 from orchestrator.db.engine import Tx
 from orchestrator.defaults import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_STALENESS, DEFAULT_WEIGHT
 from orchestrator.domain import TaskStatus, TaskView
 from orchestrator.errors import ConflictError, NotFoundError, UserError
+from orchestrator.quotas import BatchPolicy, QuotaInput, batch_problem
 from orchestrator.services.jobs import require_job
 from tasks import registry
 
@@ -32,19 +34,39 @@ EVENT_KIND = {"pause": "task.paused", "resume": "task.resumed", "drain": "task.d
 def validate_quota(
     weight: float | None, max_inflight: int | None, max_staleness: int | None
 ) -> None:
-    if weight is not None and not weight > 0:  # also rejects NaN
-        raise UserError(f"--weight must be greater than 0 (got {weight}); pass e.g. --weight 1")
-    if weight is not None and weight == float("inf"):
-        raise UserError("--weight must be a finite number; pass e.g. --weight 1")
-    if max_inflight is not None and max_inflight < 1:
-        raise UserError(
-            f"--max-inflight must be at least 1 (got {max_inflight}); pause the task instead of "
-            "setting it to 0"
-        )
-    if max_staleness is not None and max_staleness < 0:
-        raise UserError(
-            f"--max-staleness must be 0 or more (got {max_staleness}); 0 means on-policy only"
-        )
+    """Each value within its bounds (``orchestrator.bounds``), before anything is written."""
+    bounds.WEIGHT.check("--weight", weight, "pass e.g. --weight 1")
+    bounds.MAX_INFLIGHT.check(
+        "--max-inflight", max_inflight, "to stop claims, pause the task instead"
+    )
+    bounds.MAX_STALENESS.check("--max-staleness", max_staleness, "0 means on-policy only")
+
+
+def check_job_progress(
+    tx: Tx,
+    job_id: int,
+    change: QuotaInput | None = None,
+    policy: BatchPolicy | None = None,
+) -> None:
+    """Refuse a quota change (``change``: the task's values after it, active) that would leave
+    the job's batch unfillable (``quotas.batch_problem``), judged with the job's own config
+    (``policy``, else ``jobs.config``); a job without a config has nothing to judge by."""
+    if policy is None:
+        job = tx.jobs.get(job_id)
+        policy = BatchPolicy.from_config(job.config) if job is not None else None
+    if policy is None:
+        return
+    active = [
+        QuotaInput(t.name, t.weight, t.max_staleness)
+        for t in tx.tasks.list(job_id, include_retired=False)
+        if t.status == TaskStatus.ACTIVE and (change is None or t.name != change.name)
+    ]
+    problem = batch_problem(
+        active + ([change] if change else []), policy, bounds.MAX_ADMITTED_GROUPS
+    )
+    if problem:
+        what = f"the quota of task {change.name!r}" if change else "the tasks' quotas"
+        raise ConflictError(f"{what} would stall the job: {problem}")
 
 
 def check_quota_change(
@@ -106,6 +128,7 @@ def register_task(
     max_staleness: int = DEFAULT_MAX_STALENESS,
     spec_file: Path | None = None,
     spec_data: dict[str, Any] | None = None,
+    check_progress: bool = True,
 ) -> TaskView:
     try:
         check_name(name, "task name")
@@ -121,6 +144,8 @@ def register_task(
         source = "spec"
     spec = validate_spec(plugin, data, source)
     job = require_job(tx, job_name)
+    if check_progress:
+        check_job_progress(tx, job.id, QuotaInput(name, weight, max_staleness))
     task = tx.tasks.create(
         job_id=job.id,
         name=name,
@@ -182,11 +207,19 @@ def set_quota(
     weight: float | None = None,
     max_inflight: int | None = None,
     max_staleness: int | None = None,
+    check_progress: bool = True,
 ) -> TaskView:
     check_quota_change(weight, max_inflight, max_staleness)
     task = require_task(tx, job_name, name, for_update=True)
     if task.status == TaskStatus.RETIRED:
         raise ConflictError(f"task {name!r} is retired; its quota cannot change")
+    if check_progress and task.status == TaskStatus.ACTIVE:
+        changed = QuotaInput(
+            name,
+            task.weight if weight is None else weight,
+            task.max_staleness if max_staleness is None else max_staleness,
+        )
+        check_job_progress(tx, task.job_id, changed)
     updated = tx.tasks.set_quota(
         task.id, weight=weight, max_inflight=max_inflight, max_staleness=max_staleness
     )
@@ -237,11 +270,19 @@ def retire_task(tx: Tx, *, job_name: str, name: str, confirmed: bool, actor: str
 
 
 def ensure_tasks(
-    tx: Tx, *, job_name: str, tasks: list[TaskConfig], actor: str, sync: bool = False
+    tx: Tx,
+    *,
+    job_name: str,
+    tasks: list[TaskConfig],
+    actor: str,
+    sync: bool = False,
+    policy: BatchPolicy | None = None,
 ) -> list[str]:
     """Register the config's tasks that the job lacks and bring the others' quotas to the
     config's values (``max_staleness`` 0 in sync mode: every sample is on-policy). A task
-    registered with another plugin is a conflict. Returns one line per change."""
+    registered with another plugin is a conflict. With ``policy`` (the running config's),
+    the job's active tasks, registered outside the config too, must then be able to fill
+    its batch. Returns one line per change."""
     lines = []
     for t in tasks:
         staleness = 0 if sync else t.max_staleness
@@ -257,6 +298,7 @@ def ensure_tasks(
                 max_staleness=staleness,
                 spec_data=t.spec,
                 actor=actor,
+                check_progress=False,
             )
             lines.append(
                 f"task {task.name}: registered (plugin {task.plugin}, weight {t.weight:g})"
@@ -269,8 +311,17 @@ def ensure_tasks(
             )
         wanted = {"weight": t.weight, "max_inflight": t.max_inflight, "max_staleness": staleness}
         if any(getattr(existing, k) != v for k, v in wanted.items()):
-            set_quota(tx, job_name=job_name, name=t.name, actor=actor, **wanted)  # type: ignore[arg-type]
+            set_quota(
+                tx,
+                job_name=job_name,
+                name=t.name,
+                actor=actor,
+                check_progress=False,
+                **wanted,  # type: ignore[arg-type]
+            )
             lines.append(f"task {t.name}: quota set to {wanted}")
         else:
             lines.append(f"task {t.name}: already registered ({existing.status.value})")
+    if policy is not None:  # once, on the final quotas: one change at a time may pass a bad state
+        check_job_progress(tx, require_job(tx, job_name).id, policy=policy)
     return lines

@@ -187,11 +187,14 @@ def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
     return [
         ([*reg, "--plugin", "nope"], "unknown task plugin 'nope'"),
         ([*reg, "--plugin", "tasks/echo.py"], "unknown task plugin"),
-        ([*reg, "--plugin", "echo", "--weight", "0"], "--weight must be greater than 0"),
-        ([*reg, "--plugin", "echo", "--weight", "-1"], "--weight must be greater than 0"),
-        ([*reg, "--plugin", "echo", "--weight", "nan"], "--weight must be greater than 0"),
-        ([*reg, "--plugin", "echo", "--max-inflight", "0"], "--max-inflight must be at least 1"),
-        ([*reg, "--plugin", "echo", "--max-staleness", "-1"], "--max-staleness must be 0 or more"),
+        ([*reg, "--plugin", "echo", "--weight", "0"], "--weight must be at least 1e-06"),
+        ([*reg, "--plugin", "echo", "--weight", "-1"], "--weight must be at least 1e-06"),
+        ([*reg, "--plugin", "echo", "--weight", "nan"], "--weight must be a finite number"),
+        (
+            [*reg, "--plugin", "echo", "--max-inflight", "0"],
+            "--max-inflight must be at least 1 and",
+        ),
+        ([*reg, "--plugin", "echo", "--max-staleness", "-1"], "--max-staleness must be at least 0"),
         ([*reg, "--plugin", "echo", "--spec", str(malformed)], "is not valid YAML at line"),
         (
             [*reg, "--plugin", "echo", "--spec", str(violating)],
@@ -209,11 +212,14 @@ def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["task", "drain", "ghost"], "task 'ghost' does not exist"),
         (["task", "set-quota", "ghost", "--weight", "2"], "task 'ghost' does not exist"),
         (["task", "set-quota", "calc"], "needs at least one of --weight"),
-        (["task", "set-quota", "calc", "--weight", "0"], "--weight must be greater than 0"),
-        (["task", "set-quota", "calc", "--max-inflight", "0"], "--max-inflight must be at least 1"),
+        (["task", "set-quota", "calc", "--weight", "0"], "--weight must be at least 1e-06"),
+        (
+            ["task", "set-quota", "calc", "--max-inflight", "0"],
+            "--max-inflight must be at least 1 and",
+        ),
         (
             ["task", "set-quota", "calc", "--max-staleness", "-2"],
-            "--max-staleness must be 0 or more",
+            "--max-staleness must be at least 0",
         ),
         (["task", "retire", "calc"], "pass --yes to confirm"),
         (["task", "retire", "ghost", "--yes"], "task 'ghost' does not exist"),
@@ -339,3 +345,152 @@ def test_drills_refuse_without_yes(cli: Any, db_url: str) -> None:
             r = cli("drill", drill, "--job", "default")
         assert r.code == 2, (drill, r.out, r.err)
         assert "pass --yes to confirm" in r.err and r.err.count("\n") == 1
+
+
+# -- numeric options out of bounds (issue 18, item 14) ----------------------------------------
+
+REG = ["task", "register", "new", "--plugin", "calculator"]
+SETQ = ["task", "set-quota", "calc"]
+BAD_NUMBERS = [
+    ([*REG, "--max-inflight", "99999999999"], "--max-inflight must be"),
+    ([*REG, "--max-inflight", "100001"], "--max-inflight must be"),
+    ([*REG, "--max-inflight", "0"], "--max-inflight must be"),
+    ([*REG, "--max-staleness", "99999999999"], "--max-staleness must be"),
+    ([*REG, "--max-staleness", "1001"], "--max-staleness must be"),
+    ([*REG, "--max-staleness", "-1"], "--max-staleness must be"),
+    ([*REG, "--weight", "1e308"], "--weight must be"),
+    ([*REG, "--weight", "1e-320"], "--weight must be"),
+    ([*REG, "--weight", "inf"], "--weight must be"),
+    ([*REG, "--weight", "nan"], "--weight must be"),
+    ([*SETQ, "--max-inflight", "99999999999"], "--max-inflight must be"),
+    ([*SETQ, "--max-staleness", "99999999999"], "--max-staleness must be"),
+    ([*SETQ, "--weight", "1e308"], "--weight must be"),
+    ([*SETQ, "--weight", "-inf"], "--weight must be"),
+    (["events", "--limit", "99999999999999999999"], "--limit must be"),
+    (["events", "--limit", "-5"], "--limit must be"),
+    (["events", "--since", "99999999999d"], "--since"),
+    (["status", "--events", "99999999999999999999"], "--events must be"),
+    (["status", "--watch", "--interval", "nan"], "--interval must be"),
+    (["status", "--watch", "--interval", "1e308"], "--interval must be"),
+    (["status", "--watch", "--count", "99999999999999999999"], "--count must be"),
+    (["drill", "kill-rollout", "--job", "default", "--yes", "--count", "0"], "--count must be"),
+    (["drill", "kill-rollout", "--job", "default", "--yes", "--timeout", "nan"], "--timeout must"),
+    (["drill", "kill-trainer", "--job", "default", "--yes", "--timeout", "-1"], "--timeout must"),
+    (["drill", "restart-db", "--job", "default", "--yes", "--timeout", "1e308"], "--timeout must"),
+    (["drill", "kill-node", "--job", "default", "--yes", "--timeout", "inf"], "--timeout must"),
+    (["model", "init", "--out", "OUT", "--hidden", "0"], "--hidden must be"),
+    (["model", "init", "--out", "OUT", "--layers", "99999999999"], "--layers must be"),
+    (["model", "init", "--out", "OUT", "--heads", "0"], "--heads must be"),
+    (["model", "init", "--out", "OUT", "--steps", "-1"], "--steps must be"),
+    (["model", "init", "--out", "OUT", "--copy-steps", "99999999999"], "--copy-steps must be"),
+    (["model", "init", "--out", "OUT", "--eval-episodes", "-1"], "--eval-episodes must be"),
+    (["model", "init", "--out", "OUT", "--seed", "-1"], "--seed must be"),
+    (["rollout", "preview", "--task", "echo", "--model", "OUT", "-n", "0"], "-n must be"),
+    (["rollout", "preview", "--task", "echo", "--model", "OUT", "--temperature", "0"],
+     "--temperature must be"),
+    (["rollout", "preview", "--task", "echo", "--model", "OUT", "--temperature", "nan"],
+     "--temperature must be"),
+    (["rollout", "preview", "--task", "echo", "--model", "OUT", "--max-tokens-per-turn",
+      "99999999999"], "--max-tokens-per-turn must be"),
+]  # fmt: skip
+
+
+def test_numeric_options_out_of_bounds_are_one_sentence_and_write_nothing(
+    cli: Any, db_url: str, tmp_path: Path
+) -> None:
+    """One database for all the cases (a fresh one each would cost minutes): every refusal is
+    checked, and the ones that fail are listed together."""
+    _register(cli)
+    out = tmp_path / "out"
+    failures = []
+    for args, message in BAD_NUMBERS:
+        args = [str(out) if a == "OUT" else a for a in args]
+        try:
+            with unchanged(db_url):
+                r = cli(*args)
+        except Exception as e:  # a traceback (or a write) instead of a refusal
+            failures.append((args, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+            continue
+        ok = (
+            r.code == 2
+            and "Traceback" not in r.err + r.out
+            and r.err.startswith("error: ")
+            and message in r.err
+            and len(r.err.strip().splitlines()) <= 3  # one sentence (wrapped at most)
+            and not out.exists()
+        )
+        if not ok:
+            failures.append((args, f"exit {r.code}: {(r.err or r.out).strip()[:160]}"))
+    assert not failures, "\n".join(f"{' '.join(a)} -> {why}" for a, why in failures)
+
+
+def test_numeric_options_at_their_bounds_are_accepted(cli: Any) -> None:
+    _register(cli, "low", "--weight", "1e-6", "--max-inflight", "100000", "--max-staleness", "0")
+    _register(cli, "high", "--weight", "1e6", "--max-inflight", "1", "--max-staleness", "1000")
+    assert cli("task", "set-quota", "low", "--weight", "1e6").code == 0
+    assert cli("events", "--limit", "1").code == 0
+
+
+# -- quota changes that would stall the running job (issue 18, item 10) -----------------------
+
+
+def _job_with_config(db: Any, **config: Any) -> None:
+    from orchestrator.config import RollcallConfig
+    from orchestrator.services.jobs import create_job
+
+    cfg = RollcallConfig.model_validate({"job": {"name": "tight"}, **config})
+    with db.transaction() as tx:
+        create_job(tx, "tight", config=cfg.model_dump(mode="json"), actor="test")
+
+
+def test_quota_changes_that_would_leave_the_batch_unfillable_are_refused(
+    cli: Any, db: Any, db_url: str
+) -> None:
+    # weights published every 4 steps: the last step before each publication trains only data
+    # at most 3 versions old, so tasks with max_staleness >= 3 must be able to fill the batch
+    _job_with_config(db, buffer={"batch_groups": 8}, trainer={"sync_every": 4})
+    job = ["--job", "tight"]
+    assert cli("task", "register", "a", "--plugin", "echo", "--max-staleness", "3", *job).code == 0
+    refused = [
+        (["task", "set-quota", "a", "--max-staleness", "2", *job], "at least 3"),
+        (["task", "register", "b", "--plugin", "echo", "--weight", "7", "--max-staleness", "0",
+          *job], "at most 4 groups"),
+    ]  # fmt: skip
+    for args, message in refused:
+        with unchanged(db_url):
+            r = cli(*args)
+        assert r.code == 4, (args, r.out, r.err)  # a conflict with the job's config
+        assert r.err.startswith("error: ") and "buffer.batch_groups (8)" in r.err, r.err
+        assert message in r.err and "Traceback" not in r.err, r.err
+    # a stale-intolerant task beside one that can fill the batch alone is fine
+    r = cli("task", "register", "b", "--plugin", "echo", "--max-staleness", "0", *job)
+    assert r.code == 0, r.err
+    assert cli("task", "set-quota", "a", "--max-staleness", "5", *job).code == 0
+    # a job without a config (created by `job create`) has no batch to check against
+    _register(cli, "calc", "--max-staleness", "0", "--weight", "1e6")
+    assert cli("task", "set-quota", "calc", "--max-staleness", "1000").code == 0
+
+
+def test_a_run_whose_config_the_jobs_other_tasks_would_stall_is_refused(
+    cli: Any, db: Any, db_url: str
+) -> None:
+    # registered from the command line while the job published after every step
+    from orchestrator.config import TaskConfig
+    from orchestrator.errors import ConflictError
+    from orchestrator.quotas import BatchPolicy
+    from orchestrator.services.tasks import ensure_tasks
+
+    _job_with_config(db, buffer={"batch_groups": 8})
+    job = ["--job", "tight"]
+    assert cli("task", "register", "b", "--plugin", "echo", "--weight", "7",
+               "--max-staleness", "0", *job).code == 0  # fmt: skip
+    tasks = [TaskConfig(name="a", plugin="echo", max_staleness=3)]
+    every_4 = BatchPolicy(8, sync_every=4)  # now run with weights published every 4 steps
+    with (
+        unchanged(db_url),
+        pytest.raises(ConflictError, match=r"at most 4 groups"),
+        db.transaction() as tx,
+    ):
+        ensure_tasks(tx, job_name="tight", tasks=tasks, actor="test", policy=every_4)
+    with db.transaction() as tx:  # every step, as before: fine
+        ensure_tasks(tx, job_name="tight", tasks=tasks, actor="test", policy=BatchPolicy(8, 1))

@@ -215,4 +215,9 @@ def test_run_refuses_bad_input_and_writes_nothing(
     assert r.code == 2 and "run.total_steps" in r.err
     r = cli("run", str(cfg), "rollout.temperature=0.5", "--no-live")
     assert r.code == 2 and "must equal rollout.temperature" in r.err
+    # a batch nothing can fill (issue 18, item 10: this one waited silently for ten minutes)
+    r = cli("run", str(cfg), "buffer.batch_groups=99999999999", "--no-live")
+    assert r.code == 2 and "buffer.batch_groups: Input should be less than" in r.err, r.err
+    r = cli("run", str(cfg), "trainer.sync_every=4", "--no-live")
+    assert r.code == 2 and "buffer.batch_groups (8) cannot be filled" in r.err, r.err
     assert snapshot(db_url) == before

@@ -181,3 +181,25 @@ def test_seeding_never_exceeds_cap(
     for i in inputs:
         cap = math.ceil((staleness + 1) * shares[i.task_id] - 1e-9)
         assert i.outstanding + counts[i.task_id] == max(i.outstanding, max(1, cap))
+
+
+def test_batch_problem_is_exact_at_the_boundary() -> None:
+    from orchestrator.quotas import BatchPolicy, QuotaInput, batch_problem
+
+    every_4 = BatchPolicy(batch_groups=8, sync_every=4)
+    # only "patient" (max_staleness 3) can supply the step before a publication: its cap is
+    # ceil(4 x share); share 2 (weights 3:1) -> 8 groups, a full batch; share 1.6 -> 7
+    fits = [QuotaInput("fresh", 3.0, 0), QuotaInput("patient", 1.0, 3)]
+    assert batch_problem(fits, every_4, 100_000) is None
+    short = [QuotaInput("fresh", 4.0, 0), QuotaInput("patient", 1.0, 3)]
+    assert "(patient) hold at most 7 groups" in (batch_problem(short, every_4, 100_000) or "")
+    assert batch_problem(short, BatchPolicy(8, 1), 100_000) is None  # every step: fine
+    # the caps together (6 + 8 groups) are what the first seed queues: bounded per job
+    assert batch_problem(fits, BatchPolicy(8, 1), 14) is None
+    assert "add up to 14 groups" in (batch_problem(fits, BatchPolicy(8, 1), 13) or "")
+    # sync mode: every staleness bound is 0, so weights after every step
+    assert "sync_every must be 1" in (batch_problem(fits, BatchPolicy(8, 2, True), 100) or "")
+    # from a job's stored config; a job created without one has nothing to judge by
+    stored = {"buffer": {"batch_groups": 5}, "trainer": {"sync_every": 2}, "run": {"mode": "sync"}}
+    assert BatchPolicy.from_config(stored) == BatchPolicy(5, 2, True)
+    assert BatchPolicy.from_config({}) is None and BatchPolicy.from_config({"buffer": 3}) is None
