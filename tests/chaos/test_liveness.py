@@ -137,7 +137,7 @@ def test_a_node_that_never_starts_ends_failed_and_the_job_goes_on(
 def test_a_job_left_with_no_rollout_node_stops_with_one_sentence(
     ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:
-    cfg = _config(tmp_path, tiny_dir, steps=3, nodes=1, max_restarts=1)
+    cfg = _config(tmp_path, tiny_dir, steps=3, nodes=1, max_restarts=1, restart_window_s=600)
     driver = _driver(cfg, db, tiny_dir, tmp_path)
     driver.engine_hooks[0] = f"{HOOKS}:never_starts"
     with pytest.raises(JobFailedError) as err:
