@@ -118,7 +118,7 @@ def test_claims_follow_weights(db: Database) -> None:
         {"name": "a", "weight": 3, "max_staleness": 20, "max_inflight": 1000},
         {"name": "b", "weight": 1, "max_staleness": 20, "max_inflight": 1000},
     )
-    buf = make_buffer(db, batch_groups=8, claim_window_s=1e6)
+    buf = make_buffer(db, batch_groups=8, claim_window_s=604_800)  # a week: the longest window
     buf.seed()
     w = buf.register_worker("r0")
     got = Counter(buf.claim(w.id).task_name for _ in range(40))  # type: ignore[union-attr]
