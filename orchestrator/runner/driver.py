@@ -120,6 +120,7 @@ class JobDriver:
         self.pending_evals: list[tuple[int, Any]] = []
         self.lifecycle: JobLifecycle | None = None  # this driver's hold on its job
         self._outcome: JobStatus | None = None  # how run() ended, for the job's status
+        self._failure: BaseException | None = None  # what ended a failed run()
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -512,6 +513,16 @@ class JobDriver:
     # -- the loop -----------------------------------------------------------------------------
 
     def run(self) -> RunResult:
+        try:
+            return self._run()
+        except DriverFencedError:  # another driver has the job: its status is not ours
+            raise
+        except Exception as e:  # the job failed (the trainer over its budget, no node left)
+            self._outcome = JobStatus.FAILED
+            self._failure = e
+            raise
+
+    def _run(self) -> RunResult:
         cfg = self.cfg
         total = cfg.run.total_steps
         progress = Progress(self.console, enabled=self.live)
@@ -798,7 +809,7 @@ class JobDriver:
         """Stop everything this driver started, then record how the job ended (``finished``
         or ``stopped`` as ``run()`` ended; ``failed`` when an exception is on its way out,
         i.e. close() runs in the ``finally`` of a failed set-up or run) and release the job."""
-        error = sys.exc_info()[1]
+        error = sys.exc_info()[1] or self._failure
         try:
             self._close_components()
         finally:
