@@ -189,6 +189,7 @@ class RolloutNode:
         self._weights_error: str | None = None  # the last load failed: no claims until one works
         self._bad_version = -1  # the version whose load failed (not retried)
         self._streak = 0  # episodes failed in a row (the breaker)
+        self._loading = False  # a weight load is in progress
         self._progress = 0  # probes and weight loads that ended (progress without tokens)
         self._reported_progress = 0
         self._reported_tokens = 0
@@ -480,7 +481,12 @@ class RolloutNode:
             work.todo.clear()
             self._lost.add((lease.episode_id, lease.epoch))
         trip = None
-        if error is not None:
+        # A failure while the weights are being replaced or failed to load is explained by them
+        # (the node already stops claiming until a later version loads): not the breaker's.
+        weights = isinstance(error, EngineFailure) and (
+            self._weights_error is not None or self._loading
+        )
+        if error is not None and not weights:
             with self._lock:
                 self._streak += 1
                 streak = self._streak
@@ -540,6 +546,7 @@ class RolloutNode:
             return
         with self._load_lock:
             if published[0] > max(self.engine.version, self._bad_version):
+                self._loading = True
                 try:
                     self._load(*published)
                     self._weights_error = None
@@ -552,6 +559,8 @@ class RolloutNode:
                     self._weights_failed(published[0], e)
                 except Exception as e:  # a corrupt or incomplete file: wait for the next one
                     self._weights_failed(published[0], e)
+                finally:
+                    self._loading = False
 
     def _weights_failed(self, version: int, error: Exception) -> None:
         """A load failed inside the engine, which now serves nothing (its weights may be half
