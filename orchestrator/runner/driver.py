@@ -803,6 +803,8 @@ class JobDriver:
             return
         for wid in self.supervisor.stop():  # anything still leased goes back to the queue
             self.buffer.requeue_worker(wid, WorkerStatus.STOPPED)
+        if self.metrics is not None:  # the nodes' last word (their final weight loads)
+            self.metrics.take_reports(self.supervisor.final_reports)
         self.supervisor = None
 
     def close(self) -> None:

@@ -323,7 +323,16 @@ class MetricsExporter(Collector):
         freshest a collection can have, also for a node that stops right after."""
         with self._lock:
             for report in reports:
-                self._reports[int(report["worker_id"])] = report
+                self._keep(report)
+
+    def _keep(self, report: dict[str, Any]) -> None:
+        """Keep a node's report unless the one kept is newer (by the node's ``report_seq``):
+        a report asked for by a collection can be answered after the driver handed over a
+        newer one. Call with the lock held."""
+        wid = int(report["worker_id"])
+        kept = self._reports.get(wid)
+        if kept is None or report.get("report_seq", 0) >= kept.get("report_seq", 0):
+            self._reports[wid] = report
 
     def _read_node_reports(self) -> None:
         """Collect the rollout nodes' reports that have arrived and ask again, never waiting:
@@ -348,7 +357,7 @@ class MetricsExporter(Collector):
                     except Exception:  # the node died: its heartbeat age shows it
                         continue
                     with self._lock:
-                        self._reports[int(report["worker_id"])] = report
+                        self._keep(report)
             for key, actor in actors.items():
                 if key not in pending:
                     pending[key] = actor.report.remote()

@@ -86,6 +86,7 @@ class Supervisor:
         self.slots = [Slot(f"rollout-{i}", i) for i in range(nodes)]
         self._lock = threading.Lock()
         self._stopped = False
+        self.final_reports: list[dict[str, Any]] = []  # what the stopped nodes' runs returned
         for slot in self.slots:
             self._start(slot)
 
@@ -263,7 +264,12 @@ class Supervisor:
             s.actor.stop.remote()
         runs = [s.run_ref for s in live]
         if runs:
-            ray.wait(runs, num_returns=len(runs), timeout=60.0)
+            ready, _ = ray.wait(runs, num_returns=len(runs), timeout=60.0)
+            for ref in ready:  # a run that ended returns the node's final report
+                try:
+                    self.final_reports.append(ray.get(ref, timeout=0))
+                except Exception:  # it ended with an error: there is no report
+                    pass
         ids = []
         for s in live:
             if s.worker_id is None:

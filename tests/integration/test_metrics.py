@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
@@ -320,3 +321,57 @@ def test_metrics_scraped_during_a_short_job(
     # status during the job: running, and it names the endpoint
     assert statuses and statuses[0]["job"]["running"] is True
     assert statuses[0]["job"]["metrics_url"] == url
+
+
+class _ReportingNode:
+    """A fake rollout node (named as such): a Ray actor with only the node's ``report`` call,
+    whose first answer waits for a flag file, as a busy node answers late."""
+
+    def __init__(self, worker_id: int, gate: str) -> None:
+        self.worker_id, self.gate, self.calls = worker_id, gate, 0
+
+    def report(self) -> dict[str, Any]:
+        import os
+        import time
+
+        self.calls += 1
+        seq, loads = self.calls, 0  # the first report is taken before any weight load
+        while seq == 1 and not os.path.exists(self.gate):
+            time.sleep(0.05)
+        return {
+            "worker_id": self.worker_id,
+            "report_seq": seq,
+            "weight_loads": loads,
+            "weight_load_s_total": 0.0,
+            "weight_load_s_last": 0.0,
+        }
+
+
+def test_a_late_report_never_replaces_a_newer_one(
+    ray_local: Any, db: Database, tmp_path: Path
+) -> None:
+    """A node's report asked for before a weight load and answered after the driver handed
+    the exporter a newer one (fetched after a step) is older: it must not replace it."""
+    import ray
+
+    buf, w, _ = _state(db)
+    gate = tmp_path / "answer"
+    node = ray.remote(num_cpus=0, max_concurrency=2)(_ReportingNode).remote(w.id, str(gate))
+    exporter = MetricsExporter(
+        db, 1, "default", checkpoint_every=1, publish_every=2, node_actors=lambda: [node]
+    )
+    exporter.refresh()  # asks the node; its answer is late
+    newer = {
+        "worker_id": w.id,
+        "report_seq": 7,
+        "weight_loads": 2,
+        "weight_load_s_total": 0.5,
+        "weight_load_s_last": 0.2,
+    }
+    exporter.take_reports([newer])  # the driver's, after a step
+    gate.touch()
+    ray.get(node.report.remote(), timeout=60)  # the late answer has been given
+    exporter.refresh()  # collects the late answer
+    fams = parse(generate_latest(exporter.registry).decode())
+    assert value(fams, "rollcall_weight_load_seconds_count", node="rollout-0") == 2
+    assert value(fams, "rollcall_weight_load_seconds_sum", node="rollout-0") == 0.5

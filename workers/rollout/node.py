@@ -196,6 +196,7 @@ class RolloutNode:
         self._unknown: set[tuple[int, int]] = set()  # leases held that no loop works on
         self._claims_started = 0  # claims begun (orphans are judged between beats' claims)
         self.orphans_released = 0
+        self._reports = 0  # reports made (their sequence numbers)
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self._heartbeat.start()
         try:
@@ -271,8 +272,12 @@ class RolloutNode:
 
     def report(self) -> dict[str, Any]:
         h, b = self.base_engine.health(), self.batcher
+        with self._lock:
+            self._reports += 1
+            seq = self._reports
         return {
             "worker_id": self.worker.id,
+            "report_seq": seq,  # orders this incarnation's reports (a late one is older)
             **asdict(self.stats),
             "version": h.version,
             "tokens_generated": h.tokens_generated,
