@@ -266,10 +266,8 @@ class Supervisor:
         if runs:
             ready, _ = ray.wait(runs, num_returns=len(runs), timeout=60.0)
             for ref in ready:  # a run that ended returns the node's final report
-                try:
+                with contextlib.suppress(Exception):  # it ended with an error: no report
                     self.final_reports.append(ray.get(ref, timeout=0))
-                except Exception:  # it ended with an error: there is no report
-                    pass
         ids = []
         for s in live:
             if s.worker_id is None:

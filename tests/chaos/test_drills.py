@@ -16,8 +16,9 @@ import sqlalchemy as sa
 from orchestrator.buffer.invariants import check_invariants
 from orchestrator.db.engine import Database
 from orchestrator.services.drills import Drills
-from tests.chaos.test_faults import _config, _driver, _wait
+from tests.chaos.test_faults import _config, _driver
 from tests.integration.buffer_helpers import rows, scalar
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -50,7 +51,7 @@ def test_drills_against_a_running_job(
     t = threading.Thread(target=run, daemon=True)
     t.start()
     try:
-        _wait("a first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"))
+        wait_for("a first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"))
         drills = Drills(db, "chaos", timeout_s=90)
 
         # through the CLI: SIGKILL the busiest rollout node
@@ -122,7 +123,7 @@ def test_randomized_chaos_run_loses_nothing(
 
     threading.Thread(target=run, daemon=True).start()
     try:
-        _wait("a first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"))
+        wait_for("a first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"))
         totals = run_chaos(
             Drills(db, "chaos", timeout_s=90),
             20,

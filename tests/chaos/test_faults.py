@@ -24,6 +24,7 @@ from orchestrator.config import RollcallConfig
 from orchestrator.db.engine import Database
 from orchestrator.runner.driver import JobDriver, RunResult
 from tests.integration.buffer_helpers import rows, scalar
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -114,16 +115,6 @@ def _run_with(
     return result
 
 
-def _wait(what: str, cond: Callable[[], Any], timeout_s: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _assert_nothing_lost(db: Database, engine: sa.Engine, steps: int) -> None:
     job = scalar(engine, "SELECT id FROM jobs WHERE name = 'chaos'")
     report = check_invariants(db, job)
@@ -155,15 +146,15 @@ def test_rollout_nodes_killed_and_hung_lose_nothing(
         return got[0] if got else None
 
     def fault() -> None:
-        wid, pid, name = _wait("a node mid-trajectory", node_with_checkpoint)
+        wid, pid, name = wait_for("a node mid-trajectory", node_with_checkpoint)
         t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        _wait(
+        wait_for(
             "the killed node declared dead",
             lambda: rows(engine, "SELECT 1 FROM workers WHERE id = :w AND status = 'dead'", w=wid),
         )
         seen["kill_detect_s"] = time.monotonic() - t0
-        _wait(
+        wait_for(
             "its replacement",
             lambda: rows(
                 engine,
@@ -174,7 +165,7 @@ def test_rollout_nodes_killed_and_hung_lose_nothing(
         )
         seen["kill_recover_s"] = time.monotonic() - t0
         # now hang the other node: SIGSTOP, heartbeats stop, the sweep declares it dead
-        other = _wait(
+        other = wait_for(
             "the other node",
             lambda: rows(
                 engine,
@@ -185,7 +176,7 @@ def test_rollout_nodes_killed_and_hung_lose_nothing(
         )[0]
         t1 = time.monotonic()
         os.kill(other[1], signal.SIGSTOP)
-        _wait(
+        wait_for(
             "the hung node declared dead",
             lambda: rows(
                 engine, "SELECT 1 FROM workers WHERE id = :w AND status = 'dead'", w=other[0]
@@ -193,7 +184,7 @@ def test_rollout_nodes_killed_and_hung_lose_nothing(
             timeout_s=60,
         )
         seen["hang_detect_s"] = time.monotonic() - t1
-        _wait(
+        wait_for(
             "the hung node's replacement",
             lambda: rows(
                 engine,
@@ -202,7 +193,7 @@ def test_rollout_nodes_killed_and_hung_lose_nothing(
                 w=other[0],
             ),
         )
-        _wait("a requeued episode finished", lambda: scalar(engine, requeued_and_done))
+        wait_for("a requeued episode finished", lambda: scalar(engine, requeued_and_done))
 
     requeued_and_done = "SELECT count(*) FROM episodes WHERE attempts >= 2 AND status = 'done'"
     result = _run_with(driver, fault, stop_after_fault=True)
@@ -297,7 +288,7 @@ def test_database_restart_mid_run_declares_nobody_dead(
     outage: dict[str, float] = {}
 
     def fault() -> None:
-        _wait("the first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"))
+        wait_for("the first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"))
         server = EmbeddedPostgres(pg.home)
         t0 = time.monotonic()
         server.stop()
@@ -364,7 +355,7 @@ def test_second_driver_is_refused_and_job_stop_ends_the_run_gracefully(
 
     def fault() -> None:
         try:
-            _wait("step 1 in progress", in_step.is_set, timeout_s=300)
+            wait_for("step 1 in progress", in_step.is_set, timeout_s=300)
             assert show()["status"] == "running"
             before = _driver_state(engine)
             second = quiet_driver(resume=True)  # `rollcall run CONFIG --resume`, a second time
@@ -377,7 +368,7 @@ def test_second_driver_is_refused_and_job_stop_ends_the_run_gracefully(
 
             r = cli("job", "stop", "chaos")
             assert r.code == 0 and "Stop requested" in r.out, r
-            _wait("the driver to see the stop", driver._stop_requested.is_set, timeout_s=60)
+            wait_for("the driver to see the stop", driver._stop_requested.is_set, timeout_s=60)
             assert show()["status"] == "stopping"
         finally:
             go.set()  # step 1 commits; then the loop sees the stop

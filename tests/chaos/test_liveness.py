@@ -25,8 +25,9 @@ import sqlalchemy as sa
 
 from orchestrator.db.engine import Database
 from orchestrator.errors import JobFailedError
-from tests.chaos.test_faults import _assert_nothing_lost, _config, _driver, _run_with, _wait
+from tests.chaos.test_faults import _assert_nothing_lost, _config, _driver, _run_with
 from tests.integration.buffer_helpers import rows, scalar
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -82,12 +83,12 @@ def test_slow_engine_under_cpu_overload_keeps_beating_and_a_hung_one_is_found(
     def fault() -> None:
         # several steps (weights published at each, loaded while the engine is busy) of a
         # slow engine under overload: no death, no requeue
-        _wait("4 steps of the slow engine", lambda: driver.step >= 4, timeout_s=600)
+        wait_for("4 steps of the slow engine", lambda: driver.step >= 4, timeout_s=600)
         slow_phase["dead"] = _events(engine, "worker.dead")
         slow_phase["requeued"] = _requeued(engine)
         slow_phase["restarts"] = driver.supervisor.slots[0].restarts
         (flags / "hang").touch()  # now the engine hangs: its beats go on, its progress stops
-        _wait("the hung node declared dead", lambda: _events(engine, "worker.dead"), 120)
+        wait_for("the hung node declared dead", lambda: _events(engine, "worker.dead"), 120)
         (flags / "hang").unlink()
 
     result = _run_with(driver, fault)
@@ -121,7 +122,7 @@ def test_a_node_that_never_starts_ends_failed_and_the_job_goes_on(
     driver.engine_hooks[1] = f"{HOOKS}:never_starts"
 
     def fault() -> None:
-        _wait("rollout-1 over its budget", lambda: _events(engine, "worker.failed"), 300)
+        wait_for("rollout-1 over its budget", lambda: _events(engine, "worker.failed"), 300)
 
     result = _run_with(driver, fault, stop_after_fault=True)
     (message, payload), *more = _events(engine, "worker.failed")

@@ -17,9 +17,10 @@ import sqlalchemy as sa
 from orchestrator.buffer.invariants import check_invariants
 from orchestrator.db.engine import Database
 from orchestrator.services.drills import Drills
-from tests.chaos.test_faults import _config, _driver, _wait
+from tests.chaos.test_faults import _config, _driver
 from tests.conftest import init_local_ray
 from tests.integration.buffer_helpers import rows, scalar
+from tests.support.waiting import wait_for
 
 # This test was opt-in while it failed in about half of its runs. In the failures reproduced
 # (2 of 5 runs of its 10-step version) the recovery had worked: the job trained its last steps
@@ -84,9 +85,9 @@ def test_losing_the_ray_node_of_the_rollout_nodes(
     try:
         driver.setup()
         t.start()
-        _wait("a first step", lambda: scalar(engine, STEPS))
+        wait_for("a first step", lambda: scalar(engine, STEPS))
         alive = "SELECT name, node_id FROM workers WHERE role = 'rollout' AND status = 'alive'"
-        _wait("both rollout nodes alive", lambda: len(rows(engine, alive)) == 2)
+        wait_for("both rollout nodes alive", lambda: len(rows(engine, alive)) == 2)
         before = rows(engine, alive)
         assert {n for _, n in before} == {worker_node.node_id}  # both on the worker node
         spare = cluster.add_node(num_cpus=2, resources={"rollout": 2})
@@ -96,7 +97,7 @@ def test_losing_the_ray_node_of_the_rollout_nodes(
         # the raylet and everything under it: the agents and the worker processes
         assert "1 raylet" in report.notes[0] and "2 agent" in report.notes[0], report.notes
         recovered_at = scalar(engine, STEPS)
-        _wait("a step after the recovery", lambda: scalar(engine, STEPS) > recovered_at, 60)
+        wait_for("a step after the recovery", lambda: scalar(engine, STEPS) > recovered_at, 60)
     finally:
         driver.request_stop()  # finish after the current step
         t.join(timeout=120)

@@ -17,10 +17,11 @@ import sqlalchemy as sa
 
 from orchestrator.db.engine import Database
 from orchestrator.runner.driver import JobDriver
-from tests.chaos.test_faults import _assert_nothing_lost, _config, _driver, _run_with, _wait
+from tests.chaos.test_faults import _assert_nothing_lost, _config, _driver, _run_with
 from tests.conftest import init_local_ray
 from tests.integration.buffer_helpers import rows, scalar
 from tests.integration.test_placement import timing_driver, timing_job
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -139,7 +140,7 @@ def test_a_trainer_restart_that_cannot_be_placed_is_reported_and_counted(
     try:
         driver.setup()
         t.start()
-        _wait("a first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"))
+        wait_for("a first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"))
         cluster.remove_node(trainer_node, allow_graceful=False)
         t.join(timeout=240)
         stuck = t.is_alive()

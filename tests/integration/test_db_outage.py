@@ -20,6 +20,7 @@ from orchestrator.db import retry
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.engine import Database, open_database
 from tests.integration.buffer_helpers import add_tasks, make_buffer, rows
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -72,15 +73,6 @@ class ControlPlane:
         self._thread.join(timeout=60)
 
 
-def _wait(what: str, cond: Any, timeout_s: float = 90.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if got := cond():
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_outage_longer_than_the_heartbeat_timeout_declares_nobody_dead_nor_expires_a_lease(
     db: Database, db_url: str, engine: sa.Engine, server: EmbeddedPostgres, prompt_retries: None
 ) -> None:
@@ -94,7 +86,7 @@ def test_outage_longer_than_the_heartbeat_timeout_declares_nobody_dead_nor_expir
         late_claim, gone_claim = node.claim(late.id), node.claim(gone.id)
         assert late_claim is not None and gone_claim is not None
         with ControlPlane(control) as cp:
-            _wait("a sweep", lambda: control._last_dead_sweep is not None)
+            wait_for("a sweep", lambda: control._last_dead_sweep is not None)
             for w in (late, gone):  # their last beats (and lease renewals) before the outage
                 assert node.beat(w.id)[0]
             server.stop()
@@ -146,14 +138,14 @@ def test_a_database_restart_is_recorded_as_one_outage_event(
         beating = threading.Thread(target=beats, daemon=True)
         with ControlPlane(control):
             beating.start()
-            _wait("a sweep", lambda: control._last_dead_sweep is not None)
+            wait_for("a sweep", lambda: control._last_dead_sweep is not None)
             t0 = time.monotonic()
             server.stop()
             time.sleep(2.0)
             t1 = time.monotonic()
             server.ensure_running()
             # the control plane's calls go through again, and report the outage
-            _wait(
+            wait_for(
                 "the outage event",
                 lambda: (
                     rows(engine, "SELECT count(*) FROM events WHERE kind = 'database.outage'")

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from orchestrator.db.engine import Database
 from orchestrator.errors import ConflictError
 from orchestrator.runner.driver import JobDriver
 from tests.integration.buffer_helpers import add_tasks, drain_queue, rows, scalar
+from tests.support.waiting import wait_for
 
 REFUSED = r"job 'life' is already running under another driver .*rollcall job stop life"
 # What a refused driver must not touch (its refusal itself is an event).
@@ -91,15 +91,6 @@ def table_rows(engine: sa.Engine) -> dict[str, list[tuple[Any, ...]]]:
             t: [tuple(r) for r in conn.execute(sa.text(f"SELECT * FROM {t} ORDER BY 1"))]
             for t in TABLES
         }
-
-
-def wait_for(what: str, cond: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if got := cond():
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_second_driver_is_refused_until_the_first_driver_dies(

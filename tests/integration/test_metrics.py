@@ -331,12 +331,11 @@ class _ReportingNode:
         self.worker_id, self.gate, self.calls = worker_id, gate, 0
 
     def report(self) -> dict[str, Any]:
-        import os
         import time
 
         self.calls += 1
         seq, loads = self.calls, 0  # the first report is taken before any weight load
-        while seq == 1 and not os.path.exists(self.gate):
+        while seq == 1 and not Path(self.gate).exists():
             time.sleep(0.05)
         return {
             "worker_id": self.worker_id,
@@ -354,9 +353,10 @@ def test_a_late_report_never_replaces_a_newer_one(
     the exporter a newer one (fetched after a step) is older: it must not replace it."""
     import ray
 
-    buf, w, _ = _state(db)
+    _, w, _ = _state(db)
     gate = tmp_path / "answer"
-    node = ray.remote(num_cpus=0, max_concurrency=2)(_ReportingNode).remote(w.id, str(gate))
+    actor = ray.remote(num_cpus=0, max_concurrency=2)  # type: ignore[call-overload]
+    node = actor(_ReportingNode).remote(w.id, str(gate))
     exporter = MetricsExporter(
         db, 1, "default", checkpoint_every=1, publish_every=2, node_actors=lambda: [node]
     )

@@ -11,6 +11,7 @@ import sqlalchemy as sa
 from orchestrator.config import BufferConfig
 from orchestrator.db.engine import Database
 from tests.integration.buffer_helpers import add_tasks, rows, scalar
+from tests.support.waiting import wait_for
 from workers.rollout.agent import Limits
 from workers.rollout.node import NodeConfig, RolloutNode, rollout_actor
 
@@ -110,17 +111,6 @@ def test_node_abandons_an_episode_whose_lease_moved_on(
     node.stop()
 
 
-def _wait_for(what: str, cond: Any, timeout_s: float = 60.0) -> Any:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if got := cond():
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_a_lease_the_node_does_not_work_on_is_given_back_not_renewed(
     tiny_dir: Path, db: Database, db_url: str, engine: sa.Engine
 ) -> None:
@@ -144,7 +134,7 @@ def test_a_lease_the_node_does_not_work_on_is_given_back_not_renewed(
         assert claim is not None
         e = claim.lease.episode_id
         sql = "SELECT status::text, attempts FROM episodes WHERE id = :e"
-        _wait_for("the orphan lease given back", lambda: rows(engine, sql, e=e)[0][0] == "queued")
+        wait_for("the orphan lease given back", lambda: rows(engine, sql, e=e)[0][0] == "queued")
         assert rows(engine, sql, e=e)[0] == ("queued", 0)  # not counted
         assert node.orphans_released == 1
     finally:
@@ -178,7 +168,7 @@ def test_an_agent_loop_that_dies_gives_its_episode_back(
         node.run(max_episodes=1)  # its only loop dies on its first generate call
         e = scalar(engine, "SELECT min(id) FROM episodes")
         sql = "SELECT status::text, attempts FROM episodes WHERE id = :e"
-        _wait_for("the episode given back", lambda: rows(engine, sql, e=e)[0][0] == "queued", 20)
+        wait_for("the episode given back", lambda: rows(engine, sql, e=e)[0][0] == "queued", 20)
         assert rows(engine, sql, e=e)[0] == ("queued", 0)
         assert scalar(engine, "SELECT count(*) FROM episodes WHERE status = 'leased'") == 0
     finally:

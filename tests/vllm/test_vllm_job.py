@@ -17,8 +17,9 @@ import sqlalchemy as sa
 from orchestrator.buffer.invariants import check_invariants
 from orchestrator.db.engine import Database
 from orchestrator.services.drills import Drills
-from tests.chaos.test_faults import _config, _driver, _wait
+from tests.chaos.test_faults import _config, _driver
 from tests.integration.buffer_helpers import rows, scalar
+from tests.support.waiting import wait_for
 from workers.rollout.engines.vllm import _alive, engine_processes
 
 pytestmark = pytest.mark.timeout(900)
@@ -61,9 +62,9 @@ def test_a_job_with_a_vllm_node_survives_engine_death_hang_and_actor_loss(
 
     threading.Thread(target=run, daemon=True).start()
     try:
-        _wait("a first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"), 300)
+        wait_for("a first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"), 300)
         loaded = "SELECT max(loaded_version) FROM workers WHERE role = 'rollout'"
-        _wait("a published version loaded into vLLM", lambda: (scalar(engine, loaded) or 0) >= 1)
+        wait_for("a published version loaded into vLLM", lambda: (scalar(engine, loaded) or 0) >= 1)
         drills = Drills(db, "chaos", timeout_s=240)
 
         # the EngineCore SIGKILLed, through the CLI, once a trajectory is between turns
@@ -71,7 +72,7 @@ def test_a_job_with_a_vllm_node_survives_engine_death_hang_and_actor_loss(
             "SELECT count(*) FROM trajectories tr JOIN episodes e ON e.id = tr.episode_id "
             "WHERE e.status = 'leased' AND tr.status = 'in_progress' AND tr.num_turns >= 1"
         )
-        _wait("a checkpointed turn in flight", lambda: scalar(engine, between), 60)
+        wait_for("a checkpointed turn in flight", lambda: scalar(engine, between), 60)
         r = cli("drill", "kill-engine", "--job", "chaos", "--json", "--yes", "--timeout", "240")
         assert r.code == 0, r.out + r.err
         kill = json.loads(r.out[r.out.index("\n{") + 1 :] if not r.out.startswith("{") else r.out)
@@ -89,7 +90,7 @@ def test_a_job_with_a_vllm_node_survives_engine_death_hang_and_actor_loss(
         assert hang.detection_s is not None and hang.detection_s < 15.0, hang.to_json()
 
         # the Ray actor SIGKILLed: none of its vLLM processes may be left
-        _wait("a live node", lambda: scalar(engine, loaded) is not None)
+        wait_for("a live node", lambda: scalar(engine, loaded) is not None)
         recorded = scalar(
             engine,
             "SELECT info->'engine_processes' FROM workers WHERE role = 'rollout' "
@@ -103,9 +104,9 @@ def test_a_job_with_a_vllm_node_survives_engine_death_hang_and_actor_loss(
         lost = drills.kill_rollout(1, "KILL")[0]
         print("kill-rollout --signal KILL:", json.dumps(lost.to_json()))
         assert lost.passed, lost.to_json()
-        _wait("the killed actor's vLLM processes gone", lambda: not any(map(_alive, theirs)), 30)
+        wait_for("the killed actor's vLLM processes gone", lambda: not any(map(_alive, theirs)), 30)
         before = scalar(engine, "SELECT max(step) FROM train_steps")
-        _wait(
+        wait_for(
             "training goes on", lambda: scalar(engine, "SELECT max(step) FROM train_steps") > before
         )
     finally:

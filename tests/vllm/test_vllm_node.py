@@ -17,8 +17,8 @@ import sqlalchemy as sa
 from orchestrator.buffer.service import Buffer
 from orchestrator.config import BufferConfig, VLLMEngineConfig
 from orchestrator.db.engine import Database
-from tests.chaos.test_faults import _wait
 from tests.integration.buffer_helpers import rows, scalar
+from tests.support.waiting import wait_for
 from workers.rollout.agent import Limits
 from workers.rollout.engines.vllm import _alive, engine_processes
 from workers.rollout.node import NodeConfig, rollout_actor
@@ -68,7 +68,7 @@ def test_a_vllm_node_survives_a_failed_load_and_gives_back_a_dead_engines_leases
     )
     run = node.run.remote()
     ready = "SELECT count(*) FROM trajectories WHERE status = 'ready'"
-    _wait("first commits", lambda: scalar(engine, ready) >= 2, 240)
+    wait_for("first commits", lambda: scalar(engine, ready) >= 2, 240)
     actor_pid = int(scalar(engine, "SELECT pid FROM workers"))
     recorded = scalar(engine, "SELECT info->'engine_processes' FROM workers")
     core = int(recorded["engine_core"])
@@ -80,9 +80,9 @@ def test_a_vllm_node_survives_a_failed_load_and_gives_back_a_dead_engines_leases
     corrupt.mkdir(parents=True)
     (corrupt / "model.safetensors").write_bytes(b"\0" * 4096)
     _publish(engine, 1, str(corrupt))
-    _wait("the failed load", lambda: ray_local.get(node.report.remote())["weights_error"], 60)
+    wait_for("the failed load", lambda: ray_local.get(node.report.remote())["weights_error"], 60)
     leased = "SELECT count(*) FROM episodes WHERE status = 'leased'"
-    _wait("its episodes given back", lambda: scalar(engine, leased) == 0, 60)
+    wait_for("its episodes given back", lambda: scalar(engine, leased) == 0, 60)
     committed = scalar(engine, ready)
     time.sleep(3)  # several heartbeats and claim rounds: still nothing claimed or committed
     assert scalar(engine, leased) == 0 and scalar(engine, ready) == committed
@@ -95,13 +95,13 @@ def test_a_vllm_node_survives_a_failed_load_and_gives_back_a_dead_engines_leases
     state = load_file(str(vllm_tiny_dir / "model.safetensors"))
     state.pop("lm_head.weight", None)
     _publish(engine, 2, publish(state, tmp_path / "weights", 2))
-    _wait("turns under version 2", lambda: 2 in _versions(engine), 120)
+    wait_for("turns under version 2", lambda: 2 in _versions(engine), 120)
     report = ray_local.get(node.report.remote())
     assert report["version"] == 2 and report["weights_error"] is None
 
     # 3. the EngineCore SIGKILLed mid-generation: every lease given back at once, uncounted
     held = f"SELECT id, attempts FROM episodes WHERE status = 'leased' AND lease_owner = {report['worker_id']}"
-    _wait("episodes in flight", lambda: rows(engine, held), 60)
+    wait_for("episodes in flight", lambda: rows(engine, held), 60)
     attempts = dict(rows(engine, held))
     t0 = time.monotonic()
     os.kill(core, signal.SIGKILL)
@@ -128,4 +128,4 @@ def test_a_vllm_node_survives_a_failed_load_and_gives_back_a_dead_engines_leases
 
     # 4. the actor SIGKILLed: no vLLM process of it is left
     os.kill(actor_pid, signal.SIGKILL)
-    _wait("no vLLM process left", lambda: not any(_alive(p) for p in mine), 30)
+    wait_for("no vLLM process left", lambda: not any(_alive(p) for p in mine), 30)
