@@ -5,7 +5,6 @@ the supervisor restarts the rollout nodes on a spare node, and nothing is lost."
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +17,8 @@ from orchestrator.buffer.invariants import check_invariants
 from orchestrator.db.engine import Database
 from orchestrator.services.drills import Drills
 from tests.chaos.test_faults import _config, _driver
-from tests.conftest import init_local_ray
 from tests.integration.buffer_helpers import rows, scalar
+from tests.support.cluster import ray_cluster
 from tests.support.waiting import wait_for
 
 # This test was opt-in while it failed in about half of its runs. In the failures reproduced
@@ -41,21 +40,10 @@ STEPS = "SELECT count(*) FROM train_steps"
 @pytest.fixture
 def cluster(ray_local: Any) -> Iterator[Any]:
     """Swap the session's local Ray for a two-node cluster, and back afterwards."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()
     # the head hosts the driver's actors and the trainer ({"trainer": ...}); rollout nodes need
     # {"rollout": 1}, which only the worker nodes added by the test have
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"trainer": 2}})
-    try:
-        ray.init(address=c.address, log_to_driver=False, configure_logging=False)
+    with ray_cluster(num_cpus=4, resources={"trainer": 2}) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        os.environ.pop("RAY_ADDRESS", None)
-        init_local_ray()
 
 
 def test_losing_the_ray_node_of_the_rollout_nodes(

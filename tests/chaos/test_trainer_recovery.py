@@ -18,9 +18,9 @@ import sqlalchemy as sa
 from orchestrator.db.engine import Database
 from orchestrator.runner.driver import JobDriver
 from tests.chaos.test_faults import _assert_nothing_lost, _config, _driver, _run_with
-from tests.conftest import init_local_ray
 from tests.integration.buffer_helpers import rows, scalar
 from tests.integration.test_placement import timing_driver, timing_job
+from tests.support.cluster import ray_cluster
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(600)
@@ -98,19 +98,8 @@ def test_a_crash_three_steps_past_the_checkpoint_continues_from_the_published_we
 def cluster(ray_local: Any) -> Iterator[Any]:
     """Swap the session's local Ray for a cluster of one head (no ``trainer`` resource), and
     back afterwards; the test adds the node that can host the trainer."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 4})
-    try:
-        ray.init(address=c.address, log_to_driver=False, configure_logging=False)
+    with ray_cluster(num_cpus=4) as c:
         yield c
-    finally:
-        ray.shutdown()
-        c.shutdown()
-        os.environ.pop("RAY_ADDRESS", None)
-        init_local_ray()
 
 
 def test_a_trainer_restart_that_cannot_be_placed_is_reported_and_counted(
