@@ -350,6 +350,19 @@ class TrainerConfig(StrictModel):
     mini_batches: Annotated[int, b.MINI_BATCHES.field()] = Field(
         default=1, description="optimizer updates per step"
     )
+    logprob_chunk_tokens: Annotated[int, b.tokens(0).field()] = Field(
+        default=1024,
+        description="positions whose full-vocabulary logits exist at once (recomputed in "
+        "backward); 0: a whole micro-batch at once",
+    )
+    precision: Literal["float32", "bf16"] = Field(
+        default="float32",
+        description="bf16: forward and backward in bfloat16 (FSDP2 mixed precision), with "
+        "float32 weights, optimizer state, gradient reduction and log-prob math",
+    )
+    activation_checkpointing: bool = Field(
+        default=False, description="recompute each decoder layer in backward (less memory)"
+    )
     checkpoint_every: Steps = Field(
         default=1, description="steps between checkpoints (a multiple or divisor of sync_every)"
     )

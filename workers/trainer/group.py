@@ -82,6 +82,9 @@ class TrainerGroup:
             device=config.device,
             seed=seed,
             threads=max(1, int(config.cpus_per_rank)),
+            logprob_chunk_tokens=config.logprob_chunk_tokens,
+            precision=config.precision,
+            activation_checkpointing=config.activation_checkpointing,
             database_url=database_url,
             job_id=job_id,
         )

@@ -1,4 +1,5 @@
 """One FSDP2 trainer rank: the model sharded with ``fully_shard`` (gloo on CPU, NCCL on GPU),
+float32 or bf16 mixed precision over float32 weights, optionally with activation checkpointing,
 AdamW with a warm-up and constant or cosine schedule, the GRPO loss on packed micro-batches,
 gradient accumulation and clipping, checkpoints (``torch.distributed.checkpoint``: model,
 optimizer, scheduler, step) and the full state dict for publishing and the final policy.
@@ -42,6 +43,9 @@ class RankSettings:
     seed: int = 0
     threads: int = 1
     log_entropy: bool = True
+    logprob_chunk_tokens: int = 1024
+    precision: str = "float32"  # "float32" | "bf16"
+    activation_checkpointing: bool = False
     database_url: str | None = None  # with job_id: the rank registers and heartbeats
     job_id: int | None = None
     heartbeat_interval_s: float = 2.0
@@ -84,7 +88,7 @@ class TrainerRank:
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
         s = self.settings
@@ -101,19 +105,30 @@ class TrainerRank:
         torch.manual_seed(s.seed)
         mesh = init_device_mesh("cuda" if cuda else "cpu", (self.world,))
 
-        def sharded(path: str) -> Any:
+        # The sharded parameters (and so the optimizer state) stay float32 either way; bf16 is
+        # the dtype of the gathered copies the forward and backward compute with.
+        mp = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if s.precision == "bf16" else None,
+            reduce_dtype=torch.float32,
+        )
+
+        def sharded(path: str, *, train: bool) -> Any:
             m: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             m = m.to(self.device)
+            if train and s.activation_checkpointing:
+                m.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
             for layer in m.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(m, mesh=mesh)
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            fully_shard(m, mesh=mesh, mp_policy=mp)
             return m
 
-        self.model = sharded(s.model_dir)
+        self.model = sharded(s.model_dir, train=True)
         self.model.train()
         self.tie = bool(getattr(self.model.config, "tie_word_embeddings", False))
         if s.loss.kl.coef > 0:
-            self.ref = sharded(s.model_dir)
+            self.ref = sharded(s.model_dir, train=False)
             self.ref.eval()
         self.opt = torch.optim.AdamW(
             self.model.parameters(), lr=s.lr, betas=s.betas, weight_decay=s.weight_decay
@@ -244,6 +259,7 @@ class TrainerRank:
                 model,
                 packed,
                 temperature=self.settings.loss.temperature,
+                chunk_tokens=self.settings.logprob_chunk_tokens,
                 with_entropy=grad
                 and (self.settings.log_entropy or self.settings.loss.entropy_coef > 0),
             )
