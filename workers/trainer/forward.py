@@ -98,7 +98,7 @@ def _scores(
 
     n = hidden.shape[0]
     size = chunk_tokens or max(n, 1)
-    recompute = chunk_tokens > 0 and torch.is_grad_enabled()
+    recompute = 0 < chunk_tokens < n and torch.is_grad_enabled()  # one chunk: nothing to save
     parts = []
     for start in range(0, max(n, 1), size):
         args = (hidden[start : start + size], head.weight, head.bias, targets[start : start + size])
