@@ -14,7 +14,11 @@ provides:
   ``ToolError``, whose message becomes the observation; the agent loop runs tools with a
   timeout, so a tool that hangs or crashes never takes the worker down;
 - a pure, deterministic ``reward`` of the final answer, the environment state and the number of
-  turns used.
+  turns used;
+- optionally ``read_answer(spec, text)``: how the final answer is read from the model's answer
+  text as written (a free-form reply in the Hermes or JSON tool-call formats, the inside of the
+  answer tag in the tiny model's). ``BaseTask`` takes the text as written (stripped); a plugin
+  without the method gets the same.
 """
 
 from __future__ import annotations
@@ -106,6 +110,10 @@ class TaskPlugin(Protocol):
 
 class BaseTask:
     """Defaults for a plugin without tools or environment state."""
+
+    def read_answer(self, spec: TaskSpec, text: str) -> str | None:
+        """The final answer in the model's answer text (``None``: no answer in it)."""
+        return text.strip() or None
 
     def tools(self, spec: TaskSpec) -> list[Tool]:
         return []

@@ -90,6 +90,7 @@ TEMPLATES: tuple[tuple[str, str, Sampler], ...] = (
 )
 
 _NUMBER = re.compile(r"^[-+]?\d[\d,]*(\.\d+)?$|^[-+]?\.\d+$")
+_ANY_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
 
 
 class CalculatorSpec(TaskSpec):
@@ -153,6 +154,14 @@ class CalculatorTask(SplitTask):
             raise ToolError(str(e)) from None
         calls = int(state.get("calc_calls", 0)) + 1
         return Observation(format_number(value), {**state, "calc_calls": calls})
+
+    def read_answer(self, spec: TaskSpec, text: str) -> str | None:
+        """The answer as written when it is a number (``42``, ``42 km.``); otherwise the last
+        number in a free-form reply (``The answer is 42.``, ``**42**``); else the text."""
+        if parse_number(text) is not None:
+            return text.strip()
+        numbers = _ANY_NUMBER.findall(text)
+        return numbers[-1] if numbers else text.strip()
 
     def reward(
         self,

@@ -60,7 +60,7 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
     )
     from transformers import PreTrainedTokenizerFast
 
-    from workers.rollout.chat import END, SPECIAL_TOKENS
+    from workers.rollout.chat import END, ROLLCALL_TEMPLATE, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -82,12 +82,14 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
     from tasks.retrieval import NAMES
 
     tok.add_tokens([AddedToken(n, single_word=True) for n in NAMES])
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,
         eos_token=END,
         additional_special_tokens=[t for t in SPECIAL_TOKENS if t != END],
     )
+    fast.chat_template = ROLLCALL_TEMPLATE  # saved with it: the agent loop renders with it
+    return fast
 
 
 def build_model(

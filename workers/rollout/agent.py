@@ -4,7 +4,10 @@ Guarantees:
 
 - The trajectory's tokens are exactly what the engine consumed and produced: every segment is
   encoded once and appended; earlier turns are never re-encoded from text. Each generation
-  request's context is the trajectory so far.
+  request's context is the trajectory so far. The conversation is in the model's own chat
+  template and tool-call format (``workers.rollout.chat.Chat``): the prompt and each
+  observation segment are rendered by the template; generated turns are kept as generated.
+- A final answer is read by the task (``read_answer``) before the reward sees it.
 - Generated tokens carry loss mask 1 and their behaviour log-probs; prompt and tool-observation
   tokens carry mask 0 and log-prob 0. Every turn records the policy version that generated it.
 - After every turn the trajectory is handed to ``on_turn`` (the rollout node checkpoints it
@@ -23,15 +26,9 @@ from typing import Any
 
 from orchestrator.buffer.types import TrajectoryPayload
 from tasks.base import TaskPlugin, TaskSpec
-from workers.rollout.chat import (
-    Answer,
-    Malformed,
-    ToolCall,
-    observation_text,
-    parse_turn,
-    prompt_text,
-)
+from workers.rollout.chat import Chat, chat_for
 from workers.rollout.engines.base import Engine, GenerationRequest
+from workers.rollout.toolcalls import Answer, Malformed, ToolCall
 from workers.rollout.tools import ToolRunner
 
 
@@ -114,6 +111,7 @@ class AgentLoop:
         prompt: dict[str, Any],
         tools: ToolRunner,
         limits: Limits | None = None,
+        chat: Chat | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -122,18 +120,13 @@ class AgentLoop:
         self.prompt = prompt
         self.tools = tools
         self.limits = limits or Limits(max_turns=spec.max_turns)
-        self.eos_id = int(tokenizer.eos_token_id)
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        self.chat = chat or chat_for(tokenizer)
+        self._tools = plugin.tools(spec)
+        self._instructions = plugin.instructions(spec, prompt)
 
     def start(self) -> Trajectory:
         t = Trajectory(state=self.plugin.initial_state(self.spec, self.prompt))
-        ids = self._encode(
-            prompt_text(
-                self.plugin.tools(self.spec), self.plugin.instructions(self.spec, self.prompt)
-            )
-        )
+        ids = self.chat.prompt_ids(self._tools, self._instructions)
         t.append(ids, generated=False)
         t.prompt_tokens = len(ids)
         return t
@@ -167,10 +160,10 @@ class AgentLoop:
             observation = "error: the turn was cut off; end each turn with a tool call or an answer"
             done = False
         else:
-            action = parse_turn(self.tokenizer.decode(gen.token_ids))
+            action = self.chat.parse(gen.token_ids)
             done = False
             if isinstance(action, Answer):
-                t.answer, t.finished, t.stop_reason = action.text, True, "answer"
+                t.answer, t.finished, t.stop_reason = self._read(action.text), True, "answer"
                 return
             if isinstance(action, Malformed):
                 observation = f"error: {action.reason}"
@@ -183,4 +176,12 @@ class AgentLoop:
         if done:  # the environment ended the episode (e.g. the game was won)
             t.finished, t.stop_reason = True, "environment"
             return
-        t.append(self._encode(observation_text(observation)), generated=False)
+        ended = gen.finish_reason == "stop"
+        ids = self.chat.observation_ids(self._tools, self._instructions, observation, ended=ended)
+        t.append(ids, generated=False)
+
+    def _read(self, text: str) -> str | None:
+        """The final answer as the task reads it (``read_answer``; plugins without one take
+        the text as written)."""
+        read = getattr(self.plugin, "read_answer", None)
+        return text if read is None else read(self.spec, text)

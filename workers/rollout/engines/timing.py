@@ -61,6 +61,11 @@ class FileTokenizer:
         self.eos_token_id = int(eos)
         pad = self._tok.token_to_id(_token_text(config.get("pad_token")) or "")
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
+        self.name_or_path = str(d)
+        template = d / "chat_template.jinja"
+        self.chat_template: str | None = (
+            template.read_text() if template.exists() else config.get("chat_template")
+        )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
