@@ -229,10 +229,23 @@ EngineConfig = Annotated[
 
 
 class ModelConfig(StrictModel):
-    """The policy to train. ``path`` unset: the tiny local model in ROLLCALL_HOME/models/tiny,
-    built (``rollcall model init``) on first use."""
+    """The policy to train. ``path`` unset: the built-in model ``builtin`` in
+    ROLLCALL_HOME/models: ``tiny`` built (``rollcall model init``) or ``smollm2-135m`` imported
+    (``rollcall model import smollm2``) on first use."""
 
     path: str | None = None
+    builtin: Literal["tiny", "smollm2-135m"] = Field(
+        default="tiny", description="the model used when path is unset"
+    )
+    tool_format: Literal["auto", "hermes", "json", "rollcall"] = Field(
+        default="auto",
+        description="how the model writes tool calls; auto: rollcall for the tiny model, hermes "
+        "for Qwen, Llama (SmolLM2), Mistral and SmolLM3 models, json otherwise",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        description="a Jinja chat template file to use instead of the tokenizer's own",
+    )
 
 
 class RayConfig(StrictModel):
@@ -615,3 +628,16 @@ def load_config(path: Path, overrides: list[str] | None = None) -> RollcallConfi
         return RollcallConfig.model_validate(data)
     except ValidationError as e:
         raise UserError(format_validation_error(e, str(path))) from None
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The source of ``model.chat_template`` (``None``: the tokenizer's own template)."""
+    if path is None:
+        return None
+    file = Path(path).expanduser()
+    try:
+        return file.read_text()
+    except OSError as e:
+        raise UserError(
+            f"model.chat_template {file} cannot be read ({e.strerror or e}); give a Jinja file"
+        ) from None

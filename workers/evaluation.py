@@ -33,6 +33,8 @@ class Evaluator:
         concurrency: int = 16,
         seed: int = 0,
         threads: int = 1,
+        tool_format: str = "auto",
+        chat_template: str | None = None,
     ) -> None:
         import torch
 
@@ -46,6 +48,9 @@ class Evaluator:
         self.max_tokens_per_turn = max_tokens_per_turn
         self.max_tokens = max_tokens
         self.temperature = temperature
+        from workers.rollout.chat import chat_for
+
+        self.chat = chat_for(self.hf.tokenizer, tool_format, chat_template)
 
     def evaluate(
         self,
@@ -80,6 +85,7 @@ class Evaluator:
                     plugin.eval_prompt(spec, i),
                     runner,
                     limits,
+                    self.chat,
                 )
                 return task.name, loop.run().reward
 

@@ -44,6 +44,10 @@ def preview(
     spec: Annotated[
         Path | None, typer.Option("--spec", help="Task spec YAML.", show_default=False)
     ] = None,
+    tool_format: Annotated[
+        str,
+        typer.Option(help="Tool-call format: auto, hermes, json or rollcall."),
+    ] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Run N episodes of a task and show each turn, what is trained on, tool calls and rewards."""
@@ -69,10 +73,20 @@ def preview(
     task_spec = plugin.Spec.model_validate(spec_data)
 
     from workers.rollout.agent import AgentLoop, Limits
+    from workers.rollout.chat import Chat, ChatTemplateError
     from workers.rollout.engines.hf import HFEngine
+    from workers.rollout.toolcalls import FORMATS
     from workers.rollout.tools import ToolRunner
 
+    if tool_format != "auto" and tool_format not in FORMATS:
+        raise UserError(
+            f"--tool-format {tool_format!r} is not a format; use auto, {', '.join(FORMATS)}"
+        )
     engine = HFEngine(model)
+    try:
+        chat = Chat(engine.tokenizer, tool_format=tool_format)
+    except ChatTemplateError as e:
+        raise UserError(f"--model {model}: {e}") from None
     limits = Limits(
         max_turns=task_spec.max_turns,
         max_tokens_per_turn=max_tokens_per_turn,
@@ -83,7 +97,7 @@ def preview(
         for i in range(n):
             prompt = plugin.eval_prompt(task_spec, i) if held_out else plugin.prompt(task_spec, i)
             outcome = AgentLoop(
-                engine, engine.tokenizer, plugin, task_spec, prompt, runner, limits
+                engine, engine.tokenizer, plugin, task_spec, prompt, runner, limits, chat
             ).run()
             t = outcome.trajectory
             episodes.append(

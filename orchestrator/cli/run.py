@@ -60,6 +60,7 @@ def run_job(
     out = out or console()
     home = rollcall_home(opts.home)
     model_dir = resolve_model(cfg, home, out)
+    check_chat(cfg, model_dir)
     db_url = cfg.database.url.get_secret_value() if cfg.database.url else None
     db = open_database(opts.database_url, db_url, home=opts.home, verify_schema=not upgrade_schema)
     driver = None
@@ -140,6 +141,26 @@ def resolve_model(cfg: RollcallConfig, home: Path, out: Console) -> Path:
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
     return path
+
+
+def check_chat(cfg: RollcallConfig, model_dir: Path) -> None:
+    """Refuse, before anything starts, a model whose chat template or tool-call format the
+    agent loop cannot use (``workers.rollout.chat.Chat`` checks prefix stability)."""
+    from transformers import AutoTokenizer
+
+    from orchestrator.config import read_chat_template
+    from orchestrator.errors import UserError
+    from workers.rollout.chat import Chat, ChatTemplateError
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        Chat(
+            tokenizer,
+            tool_format=cfg.model.tool_format,
+            template=read_chat_template(cfg.model.chat_template),
+        )
+    except ChatTemplateError as e:
+        raise UserError(f"model {model_dir}: {e}") from None
 
 
 def report(result: RunResult, json_out: bool) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 from rich.console import Console
 
 from orchestrator.buffer.service import Buffer
-from orchestrator.config import RollcallConfig
+from orchestrator.config import RollcallConfig, read_chat_template
 from orchestrator.db.engine import Database
 from orchestrator.db.notify import GroupsListener
 from orchestrator.domain import JobStatus
@@ -95,6 +95,7 @@ class JobDriver:
         self.cfg = config
         self.db = db
         self.model_dir = model_dir
+        self.chat_template = read_chat_template(config.model.chat_template)
         self.home = home
         self.resume = resume
         self.console = console or Console()
@@ -428,6 +429,8 @@ class JobDriver:
                 seed=self.cfg.run.seed * 1000 + index,
                 threads=max(1, int(r.cpus_per_node)),
                 breaker_failures=r.breaker_failures,
+                tool_format=self.cfg.model.tool_format,
+                chat_template=self.chat_template,
                 engine_hook=self.engine_hooks.get(index),
             ),
             self.cfg.buffer,
@@ -454,6 +457,8 @@ class JobDriver:
             max_tokens=r.max_tokens,
             temperature=self.cfg.run.eval.temperature,
             seed=self.cfg.run.seed + 7,
+            tool_format=self.cfg.model.tool_format,
+            chat_template=self.chat_template,
         )
 
     def _start_scheduler(self) -> None:

@@ -194,3 +194,40 @@ def test_resume_from_a_checkpoint_keeps_earlier_turns(engine: HFEngine, runner: 
     assert r.state == {"guesses": 3, "solved": True}
     assert out.reward == pytest.approx(1 - 0.5 * 2 / 7)
     assert Trajectory.from_payload(r.payload()).token_ids == r.token_ids
+
+
+HERMES_CALL = '<tool_call>\n{"name": "calc", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+
+
+class CopyCallTask(CalculatorTask):
+    """The calculator with a task statement that asks for one given call: SmolLM2-135M seldom
+    calls a tool unasked, and this makes its generated turn a Hermes tool call."""
+
+    def instructions(self, spec: Any, prompt: dict[str, Any]) -> str:
+        return f"Repeat exactly, with nothing else:\n{HERMES_CALL}"
+
+
+def test_a_smollm2_hermes_call_is_run_and_its_result_comes_back_as_a_tool_message(
+    smollm2_dir: Path, runner: Any
+) -> None:
+    engine = RecordingEngine(HFEngine(smollm2_dir, seed=0))
+    task, spec = CopyCallTask(), CalculatorSpec()
+    limits = Limits(max_turns=2, max_tokens_per_turn=40, temperature=0.05)
+    loop = AgentLoop(engine, engine.tokenizer, task, spec, task.prompt(spec, 0), runner, limits)
+    assert loop.chat.format.name == "hermes"
+    t = loop.start()
+    loop.step(t)
+    tok = engine.tokenizer
+    (context, gen) = engine.calls[0]
+    assert context == t.token_ids[: t.prompt_tokens]  # the prompt, rendered by its template
+    assert tok.decode(t.token_ids[: t.prompt_tokens]).endswith("<|im_start|>assistant\n")
+    end = t.prompt_tokens + len(gen.token_ids)
+    assert t.token_ids[t.prompt_tokens : end] == gen.token_ids  # kept as generated
+    assert tok.decode(gen.token_ids) == HERMES_CALL + "<|im_end|>"
+    assert t.loss_mask[t.prompt_tokens : end] == [1] * len(gen.token_ids)
+    # the call ran (6 * 7) and its result came back in a tool message, then the next header
+    assert (
+        tok.decode(t.token_ids[end:]) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert t.loss_mask[end:] == [0] * (len(t.token_ids) - end)
+    assert not t.finished

@@ -1,16 +1,23 @@
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from tasks.base import Tool
 from workers.rollout.chat import (
+    ROLLCALL_TEMPLATE,
     Answer,
+    Chat,
+    ChatTemplateError,
     Malformed,
     ToolCall,
     observation_text,
     parse_turn,
     prompt_text,
 )
+from workers.rollout.toolcalls import get_format
 
 
 @pytest.mark.parametrize(
@@ -62,3 +69,140 @@ def test_prompt_and_observation_text() -> None:
     assert p.startswith("<|system|>\nTools:\n- calc(expression): Evaluate.\n")
     assert p.endswith("<|user|>\nWhat is 6 times 7?\n<|assistant|>\n")
     assert observation_text("42") == "\n<|tool|>\n42\n<|assistant|>\n"
+
+
+CALC = Tool(
+    "calc",
+    "Evaluate.",
+    {"type": "object", "properties": {"expression": {"type": "string"}}},
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            '<tool_call>\n{"name": "calc", "arguments": {"expression": "6*7"}}\n</tool_call>',
+            ToolCall("calc", {"expression": "6*7"}),
+        ),
+        (
+            'Let me compute. <tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"1\\"}"}'
+            "</tool_call>",
+            ToolCall("calc", {"expression": "1"}),
+        ),  # arguments written as a JSON string
+        ("The answer is 42.", Answer("The answer is 42.")),
+        ("  ", Malformed("the reply is empty; call a tool or give the final answer")),
+        (
+            '<tool_call>{"name": "calc", "arguments": {}',
+            Malformed("the tool call is not closed with </tool_call>"),
+        ),
+        (
+            "<tool_call>{calc}</tool_call>",
+            Malformed(
+                "the tool call is not valid JSON (Expecting property name enclosed in double quotes)"
+            ),
+        ),
+        (
+            '<tool_call>{"arguments": {}}</tool_call>',
+            Malformed('the tool call needs {"name": ..., "arguments": {...}}'),
+        ),
+    ],
+)
+def test_hermes_format(text: str, expected: object) -> None:
+    assert get_format("hermes").parse(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            '{"name": "calc", "arguments": {"expression": "2"}}',
+            ToolCall("calc", {"expression": "2"}),
+        ),
+        ('```json\n{"name": "calc", "arguments": {}}\n```', ToolCall("calc", {})),
+        ("42", Answer("42")),
+        ('{"name": 3}', Malformed('the tool call needs {"name": ..., "arguments": {...}}')),
+    ],
+)
+def test_json_format(text: str, expected: object) -> None:
+    assert get_format("json").parse(text) == expected
+
+
+def test_system_text_names_the_tools_and_the_call_syntax() -> None:
+    text = get_format("hermes").system_text([CALC], False)
+    assert "- calc(expression: string): Evaluate." in text
+    assert '<tool_call>\n{"name": "calc", "arguments": {"expression": "..."}}\n</tool_call>' in text
+    # a template that renders the tools itself gets the syntax only
+    assert "- calc" not in get_format("hermes").system_text([CALC], True)
+
+
+def tiny_tokenizer(tiny_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_dir)
+
+
+def test_the_tiny_model_renders_its_format_through_its_chat_template(tiny_dir: Path) -> None:
+    tok = tiny_tokenizer(tiny_dir)
+    assert tok.chat_template == ROLLCALL_TEMPLATE  # saved by the builder
+    chat = Chat(tok)  # prefix stability is checked here
+    assert chat.format.name == "rollcall"
+    ids = chat.prompt_ids([CALC], "What is 6 times 7?")
+    assert ids == tok.encode(prompt_text([CALC], "What is 6 times 7?"), add_special_tokens=False)
+    assert tok.decode(chat.observation_ids([CALC], "q", "42", ended=True)) == observation_text("42")
+    # a turn cut off before <|end|>: the observation closes the assistant message first
+    cut = tok.decode(chat.observation_ids([CALC], "q", "42", ended=False))
+    assert cut == "<|end|>" + observation_text("42")
+    gen = tok.encode("<answer>42</answer><|end|>", add_special_tokens=False)
+    assert chat.parse(gen) == Answer("42")
+
+
+def test_a_tokenizer_with_markers_and_no_template_uses_the_rollcall_template(
+    tiny_dir: Path,
+) -> None:
+    tok = tiny_tokenizer(tiny_dir)
+    tok.chat_template = None  # a tiny model built before templates were saved
+    assert Chat(tok).template == ROLLCALL_TEMPLATE
+
+
+# A template that rewrites earlier assistant turns (as reasoning templates drop earlier
+# thoughts): rendering one more message changes the text before it.
+REWRITES_EARLIER_TURNS = ROLLCALL_TEMPLATE.replace(
+    "message['content'] }}",
+    "(message['content'] if message['role'] != 'assistant' or loop.last else '...') }}",
+)
+# A template that ends an assistant message with a token generation does not stop at.
+WRONG_END = ROLLCALL_TEMPLATE.replace("{{ '<|end|>' }}", "{{ '.' }}")
+# A template whose generation prompt differs from what precedes an assistant message.
+WRONG_HEADER = ROLLCALL_TEMPLATE.replace("{{ '<|assistant|>\n' }}", "{{ '<|assistant|>' }}")
+
+
+@pytest.mark.parametrize(
+    ("template", "words"),
+    [
+        (REWRITES_EARLIER_TURNS, "not prefix-stable"),
+        (WRONG_END, "does not end an assistant message"),
+        (WRONG_HEADER, "generation prompt is not what precedes"),
+    ],
+)
+def test_a_template_unfit_for_token_in_token_out_is_refused(
+    tiny_dir: Path, template: str, words: str
+) -> None:
+    with pytest.raises(ChatTemplateError, match=words):
+        Chat(tiny_tokenizer(tiny_dir), template=template)
+
+
+def test_smollm2_renders_with_its_own_template_and_hermes_calls(smollm2_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    chat = Chat(tok)  # prefix stability is checked here
+    assert chat.format.name == "hermes"  # the default of its family (llama)
+    head = chat.head([CALC], "What is 6 times 7?")
+    ids = chat.prompt_ids([CALC], "What is 6 times 7?")
+    assert tok.decode(ids) == tok.apply_chat_template(
+        head, tokenize=False, add_generation_prompt=True
+    )
+    assert tok.decode(ids).startswith("<|im_start|>system\nYou have these tools:\n- calc(")
+    obs = tok.decode(chat.observation_ids([CALC], "q", "42", ended=True))
+    assert obs == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"

@@ -53,6 +53,7 @@ from orchestrator.errors import StaleLeaseError
 from tasks import registry
 from tasks.base import TaskPlugin, TaskSpec
 from workers.rollout.agent import AgentLoop, Limits, Trajectory
+from workers.rollout.chat import chat_for
 from workers.rollout.engines.base import (
     Engine,
     EngineFailure,
@@ -86,6 +87,8 @@ class NodeConfig:
     # fault-injection seam for tests and drills (e.g. an engine that fails every call), never
     # set by a config file
     engine_hook: str | None = None
+    tool_format: str = "auto"  # the tool-call format (``workers.rollout.toolcalls``)
+    chat_template: str | None = None  # a chat template's source instead of the tokenizer's
 
 
 @dataclass
@@ -226,6 +229,7 @@ class RolloutNode:
         # Whatever the engine raises is the engine's failure, not the episode's (not counted)
         self.engine: Engine = _Guarded(self.batcher or engine)
         self.tokenizer = engine.tokenizer
+        self.chat = chat_for(self.tokenizer, config.tool_format, config.chat_template)
         self._sync_weights()
         processes = getattr(engine, "processes", None)  # vLLM's own processes
         info = {"engine_processes": processes} if processes else None
@@ -442,7 +446,7 @@ class RolloutNode:
                     self.stats.samples_resumed += 1
             loop = AgentLoop(
                 self.engine, self.tokenizer, work.plugin, work.spec, claim.prompt, runner,
-                work.limits,
+                work.limits, self.chat,
             )  # fmt: skip
             outcome = loop.run(
                 resume=sample.checkpoint,
