@@ -115,7 +115,8 @@ def _next_free_name(cfg: RollcallConfig, db: Any, out: Console) -> RollcallConfi
 
 
 def resolve_model(cfg: RollcallConfig, home: Path, out: Console) -> Path:
-    """The configured model folder, or the tiny local model (built when missing)."""
+    """The configured model folder, or the built-in model ``model.builtin``: the tiny local
+    model (built when missing) or SmolLM2-135M-Instruct (imported when missing)."""
     from orchestrator.errors import UserError
 
     if cfg.model.path is not None:
@@ -125,6 +126,14 @@ def resolve_model(cfg: RollcallConfig, home: Path, out: Console) -> Path:
                 f"model.path {path} holds no transformers model (no config.json); build one with "
                 "`rollcall model init --out DIR` or point model.path at a save_pretrained folder"
             )
+        return path
+    if cfg.model.builtin == "smollm2-135m":
+        from workers.realmodel import default_dir, import_smollm2, imported_dtype
+
+        path = default_dir(home)
+        if imported_dtype(path) is None:
+            out.print(f"importing SmolLM2-135M-Instruct into {path} (once)", markup=False)
+            import_smollm2(path, log=lambda line: out.print(line, markup=False))
         return path
     path = home / "models" / "tiny"
     if not (path / "config.json").exists():

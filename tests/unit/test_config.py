@@ -480,3 +480,23 @@ def test_configs_that_can_progress_are_accepted(
     p = tmp_path / "c.yaml"
     p.write_text(tasks)
     assert load_config(p, overrides)
+
+
+def test_the_smollm2_vllm_config_is_the_smollm2_config_with_a_cpu_vllm_node() -> None:
+    from orchestrator.config import VLLMEngineConfig
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    hf, vl = load_config(root / "smollm2.yaml"), load_config(root / "smollm2-vllm.yaml")
+    assert hf.model.builtin == "smollm2-135m" and hf.model.tool_format == "hermes"
+    assert isinstance(vl.rollout.engine, VLLMEngineConfig) and vl.rollout.engine.device == "cpu"
+    same = ["buffer", "trainer", "run", "tasks", "model", "ray"]
+    assert {k: getattr(vl, k) for k in same} == {k: getattr(hf, k) for k in same}
+    strip = {"engine", "start_timeout_s"}
+    assert vl.rollout.model_dump(exclude=strip) == hf.rollout.model_dump(exclude=strip)
+
+
+def test_an_unreadable_chat_template_file_is_refused(tmp_path: Path) -> None:
+    from orchestrator.config import read_chat_template
+
+    with pytest.raises(UserError, match="model.chat_template .* cannot be read"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
