@@ -1,19 +1,22 @@
-"""Sync against async with the real thing: the tiny local model on the ``hf`` engine, the real
-GRPO trainer, the built-in tasks of ``configs/quickstart.yaml``, on this machine's CPUs.
+"""Sync against async with a real pretrained model: SmolLM2-135M-Instruct in its own chat
+template with Hermes tool calls (``configs/smollm2.yaml``), the real GRPO trainer and the
+``hf`` engine, on this machine's CPUs; ``--config configs/quickstart.yaml --model DIR`` runs the
+tiny model's quickstart instead.
 
-Each mode runs as its own ``rollcall quickstart`` job (embedded PostgreSQL, local Ray) with the
-quickstart config and the same overrides, no held-out evaluation (it would share the CPUs), and
-the figures come from the run directory's ``metrics.jsonl``: over the steps after ``--warmup``
-(start-up excluded), trained trajectories per hour, the trainer's busy fraction (train,
-checkpoint and publish time over wall time), staleness, and the speedup async/sync.
+Each mode runs as its own ``rollcall quickstart --config`` job (embedded PostgreSQL, local
+Ray) with the same overrides, and the figures come from the run directory's
+``metrics.jsonl``: the training reward per step against trained samples (the learning curve),
+the held-out reward at each evaluation (``run.eval`` of the config; ``--eval-every 0`` turns
+it off), and over the steps after ``--warmup`` (start-up excluded) trained trajectories per
+hour, the trainer's busy fraction, staleness and the speedup async/sync.
 
 On a 2-core machine rollout and training share the same two cores, so async cannot overlap
-them the way it does with separate devices: the speedup here is much smaller than the
-pipeline benchmark's and says how much the pipelining alone recovers.
+them the way it does with separate devices.
 
-Usage: python ops/bench/realmodel.py --model DIR [--steps 16] [--warmup 3] [--home DIR]
-       (DIR: a model from ``rollcall model init``; without --model one is built, about 6 min)
-Prints a table, then (last line) one JSON object with the figures.
+Usage: python ops/bench/realmodel.py [--steps 12] [--warmup 2] [--home DIR] [overrides ...]
+       (SmolLM2 is imported into the home once; the tiny model: --config configs/quickstart.yaml
+       --model DIR, a folder from ``rollcall model init``)
+Prints the curves and a table, then (last line) one JSON object with the figures.
 """
 
 from __future__ import annotations
@@ -37,12 +40,14 @@ def rollcall() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "orchestrator.cli"]
 
 
-def run_mode(mode: str, model: Path, home: Path, steps: int, extra: list[str]) -> Path:
+def run_mode(
+    mode: str, config: Path, model: Path | None, home: Path, steps: int, extra: list[str]
+) -> Path:
     name = f"realmodel-{mode}"
     cmd = [
-        *rollcall(), "--home", str(home), "quickstart",
-        f"job.name={name}", f"model.path={model}", f"run.mode={mode}",
-        f"run.total_steps={steps}", "run.eval.every=0", "run.eval.episodes=0",
+        *rollcall(), "--home", str(home), "quickstart", "--config", str(config),
+        f"job.name={name}", f"run.mode={mode}", f"run.total_steps={steps}",
+        *([f"model.path={model}"] if model is not None else []),
         *extra, "--no-live", "--json",
     ]  # fmt: skip
     t0 = time.monotonic()
@@ -61,6 +66,17 @@ def figures(run_dir: Path, warmup: int) -> dict[str, Any]:
         json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line
     ]
     steps = [r for r in records if r.get("kind") == "step"]
+    evals = [r for r in records if r.get("kind") == "eval"]
+    curve = [
+        {
+            "step": r["step"],
+            "samples": r["trained_samples"],
+            "reward": round(r["reward"], 4),
+            "is_weight_mean": r.get("is_weight_mean"),
+            "time": round(r["time"] - steps[0]["time"], 1),
+        }
+        for r in steps
+    ]
     if len(steps) <= warmup + 1:
         raise SystemExit(f"{run_dir}: {len(steps)} steps, need more than warmup + 1")
     first, window = steps[warmup], steps[warmup + 1 :]
@@ -68,6 +84,8 @@ def figures(run_dir: Path, warmup: int) -> dict[str, Any]:
     trained = window[-1]["trained_samples"] - first["trained_samples"]
     busy = sum(r["train_s"] + r["checkpoint_s"] + r["publish_s"] for r in window)
     return {
+        "curve": curve,
+        "held_out": [{"step": r["step"], "reward": r["reward"]} for r in evals],
         "window_steps": len(window),
         "window_s": round(span, 1),
         "trained": trained,
@@ -88,9 +106,10 @@ def _count(v: Any) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", type=Path, default=None, help="a `rollcall model init` folder")
-    ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=3, help="steps before the measured window")
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2.yaml")
+    ap.add_argument("--model", type=Path, default=None, help="a model folder (model.path)")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2, help="steps before the measured window")
     ap.add_argument("--home", type=Path, default=None, help="default: a temporary folder")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     ap.add_argument("overrides", nargs="*", help="more dotted.key=value config overrides")
@@ -100,22 +119,26 @@ def main() -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     load_start = [round(x, 2) for x in os.getloadavg()]
     try:
-        model = args.model
-        if model is None:
-            model = home / "models" / "tiny"
-            print(f"== building the tiny model in {model} (rollcall model init, about 6 min)")
-            subprocess.check_call([*rollcall(), "model", "init", "--out", str(model)], cwd=ROOT)
-        model = model.resolve()
+        model = args.model.resolve() if args.model is not None else None
         runs = {
-            mode: figures(run_mode(mode, model, home, args.steps, args.overrides), args.warmup)
+            mode: figures(
+                run_mode(mode, args.config, model, home, args.steps, args.overrides), args.warmup
+            )
             for mode in ("sync", "async")
         }
     finally:
         if args.home is None and not args.keep:
             # the embedded PostgreSQL was stopped by each job's CLI process
             shutil.rmtree(home, ignore_errors=True)
-    print(f"tiny model, configs/quickstart.yaml, {args.steps} steps (first {args.warmup + 1} "
-          f"excluded), {os.cpu_count()} CPUs")  # fmt: skip
+    for mode, r in runs.items():
+        print(f"{mode}: training reward by step (trained samples, seconds since step 0)")
+        for c in r["curve"]:
+            print(f"  step {c['step']:3d}  {c['samples']:5d} samples  {c['time']:7.1f} s  "
+                  f"reward {c['reward']:.3f}  is_weight_mean {c['is_weight_mean']}")  # fmt: skip
+        for e in r["held_out"]:
+            print(f"  held-out at step {e['step']}: {e['reward']}")
+    print(f"{args.config.name}, {args.steps} steps (first {args.warmup + 1} excluded from the "
+          f"table), {os.cpu_count()} CPUs")  # fmt: skip
     print("mode | traj/h | step s | train s/step | busy | stale mean/max | expired groups")
     for mode, r in runs.items():
         print(
@@ -127,6 +150,7 @@ def main() -> None:
     print(f"speedup async/sync: {speedup:.2f}x")
     out = {
         "benchmark": "realmodel",
+        "config": str(args.config),
         "steps": args.steps,
         "warmup": args.warmup,
         "overrides": args.overrides,
