@@ -24,7 +24,7 @@ from typing import Any
 
 from orchestrator.algorithms import LossConfig
 from workers.trainer.batch import TrainSequence
-from workers.trainer.grpo import LossStats, needs_proximal, policy_loss
+from workers.trainer.grpo import LossStats, agreement_stats, needs_proximal, policy_loss
 
 
 @dataclass(frozen=True)
@@ -211,6 +211,12 @@ class TrainerRank:
                 else:
                     old_logp = beh
                 mask = self._values(micro, lambda s: s.loss_mask).float()
+                # log-probs under the step's starting weights: the proximal ones, or this
+                # forward's before the step's first update
+                start = old[m][k] if proximal else logp.detach() if m == 0 else None
+                if start is not None:
+                    on = (mask > 0) & self._per_token(micro, lambda s: s.on_policy).bool()
+                    stats = stats + agreement_stats(start, beh, on)
                 adv = mask * self._per_token(micro, lambda s: s.advantage)
                 weights = mask * self._per_token(micro, lambda s: s.scale)
                 ref = None
