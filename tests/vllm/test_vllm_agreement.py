@@ -37,3 +37,37 @@ def test_vllm_engine_onpolicy_is_weight_is_one(
     m = onpolicy_step_metrics(vllm_float32, vllm_tiny_dir)
     print(f"vllm engine (cpu, float32), tiny: {describe(m)}")
     assert_agree(m)
+
+
+def test_vllm_loads_bf16_published_weights_into_its_float32_model(
+    vllm_float32: Any, vllm_tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A bf16 trainer's publication (``trainer.precision: bf16``) loads into a float32 vLLM
+    engine: it then samples from exactly those weights (upcast), as the trainer scores them."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from workers.rollout.engines.base import GenerationRequest
+    from workers.trainer.forward import token_logprobs
+    from workers.trainer.packing import pack
+    from workers.trainer.weights import publish
+
+    torch.manual_seed(3)
+    state = load_file(str(vllm_tiny_dir / "model.safetensors"))
+    state.pop("lm_head.weight", None)  # tied: the trainer publishes without it
+    bf16 = {k: (v + 0.05 * torch.randn_like(v)).to(torch.bfloat16) for k, v in state.items()}
+    vllm_float32.load_weights(1, publish(bf16, tmp_path, 1))
+    req = GenerationRequest([5, 6, 7, 8, 9], 24, 1.0)
+    (gen,) = vllm_float32.generate([req])
+    assert gen.version == 1
+
+    model = AutoModelForCausalLM.from_pretrained(str(vllm_tiny_dir), dtype=torch.float32).eval()
+    model.load_state_dict({k: v.float() for k, v in bf16.items()}, strict=False)
+    model.tie_weights()
+    with torch.no_grad():
+        lp = token_logprobs(model, pack([req.prompt_ids + gen.token_ids], device="cpu"))[0]
+    n = len(req.prompt_ids)
+    err = max(abs(float(lp[n + i]) - b) for i, b in enumerate(gen.logprobs))
+    print(f"vllm float32 engine on bf16-published weights: max log-prob error {err:.2e}")
+    assert err < 1e-4
