@@ -113,8 +113,11 @@ class TrainerRank:
         )
 
         def sharded(path: str, *, train: bool) -> Any:
+            # Loaded on the host and left there: ``fully_shard`` moves each module's states to
+            # the mesh's device as it shards them (one layer's full weights at a time, then
+            # only this rank's shard stays), instead of the whole model on every rank's
+            # device first.
             m: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            m = m.to(self.device)
             if train and s.activation_checkpointing:
                 m.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False}
