@@ -23,7 +23,7 @@ from workers.rollout.engines.base import Engine, GenerationRequest
 from workers.trainer.batch import plan_step
 from workers.trainer.group import TrainerGroup
 
-TEMPERATURE = 1.0  # the rollout's sampling temperature (run.temperature's default)
+TEMPERATURE = 1.0  # the rollout's sampling temperature (rollout.temperature's default)
 
 
 def sampled_batch(
