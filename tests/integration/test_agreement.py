@@ -26,13 +26,16 @@ def hf_onpolicy_is_weight(model_dir: Path, **batch: Any) -> dict[str, float]:
 # TODO(smollm2): add the SmolLM2 case here once tests/conftest.py has the session fixture
 # ``smollm2_dir`` (`rollcall model import smollm2`): parametrize over
 # ["tiny_dir", "smollm2_dir"] and take the folder with request.getfixturevalue(name).
+# The job's temperature (1.0), and another: at 1.0 raw and temperature-scaled log-probs are the
+# same, at 0.7 only the scaled ones (what both sides must use) agree.
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("model", ["tiny_dir"])
 def test_hf_engine_onpolicy_is_weight_is_one(
-    model: str, request: pytest.FixtureRequest, ray_local: Any
+    model: str, temperature: float, request: pytest.FixtureRequest, ray_local: Any
 ) -> None:
     model_dir: Path = request.getfixturevalue(model)
-    m = hf_onpolicy_is_weight(model_dir)
-    print(f"hf engine, {model}: {describe(m)}")
+    m = hf_onpolicy_is_weight(model_dir, temperature=temperature)
+    print(f"hf engine, {model}, T {temperature}: {describe(m)}")
     assert_agree(m)
 
 
