@@ -403,7 +403,11 @@ class MetricsExporter(Collector):
             ("rollcall_is_weight_mean", "is_weight_mean", float),
             ("rollcall_is_weight_onpolicy_geomean", "is_log_weight_onpolicy_mean", math.exp),
         ):
-            found = [s.metrics[stat] for s in snap.steps if isinstance(s.metrics.get(stat), float)]
+            found = [
+                float(v)
+                for v in (s.metrics.get(stat) for s in snap.steps)
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            ]
             if found:
                 f[name].add_metric([j], fn(found[-1]))
         for t in snap.tasks:
