@@ -120,6 +120,10 @@ class HFEngineConfig(StrictModel):
     device: str = "cpu"
     # KV caches kept for reuse across turns (tokens, all sequences together; 0: no reuse)
     kv_cache_tokens: Annotated[int, b.tokens(0).field()] = 65_536
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="auto",
+        description="weights and activations; auto: the model folder's (config.json dtype)",
+    )
 
 
 class VLLMEngineConfig(StrictModel):
@@ -397,6 +401,14 @@ class TrainerConfig(StrictModel):
         "by then is a failed trainer: killed and restarted from the last checkpoint",
     )
     loss: LossConfig = Field(default_factory=LossConfig)
+    is_weight_tolerance: Annotated[float, b.FRACTION.field()] = Field(
+        default=0.05,
+        description="warn when the on-policy tokens' importance weight (geometric mean of "
+        "pi_old / pi_behaviour over tokens 0 versions behind) strays further from 1",
+    )
+    is_weight_warn_every: Steps = Field(
+        default=100, description="steps between repeated warnings while the weight stays out"
+    )
     timing_model: TimingTrainerConfig | None = Field(
         default=None, description="benchmarks only: a timing model instead of the FSDP2 ranks"
     )

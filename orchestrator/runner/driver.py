@@ -50,6 +50,7 @@ from orchestrator.errors import (
     NotFoundError,
     UserError,
 )
+from orchestrator.runner.drift import DRIFT_EVENT, IsWeightWatch
 from orchestrator.runner.lifecycle import JobLifecycle
 from orchestrator.runner.progress import Progress, Snapshot
 from orchestrator.runner.rundir import RunDir
@@ -122,6 +123,9 @@ class JobDriver:
         self.lifecycle: JobLifecycle | None = None  # this driver's hold on its job
         self._outcome: JobStatus | None = None  # how run() ended, for the job's status
         self._failure: BaseException | None = None  # what ended a failed run()
+        self.is_weight_watch = IsWeightWatch(
+            config.trainer.is_weight_tolerance, config.trainer.is_weight_warn_every
+        )
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -720,6 +724,7 @@ class JobDriver:
         next claim, and the display moves on."""
         self.buffer.seed()
         record.update(self._node_metrics())
+        self._check_is_weight(record, progress)
         self.run_dir.append(record)
         if record["checkpoint_uri"] is not None:
             self.run_dir.prune_checkpoints(self.cfg.trainer.keep_checkpoints)
@@ -730,6 +735,23 @@ class JobDriver:
         snap.staleness_max = record["staleness_max"]
         self._refresh(snap, *timing, step=record["policy_version"])
         progress.step_done(snap)
+
+    def _check_is_weight(self, record: dict[str, Any], progress: Progress) -> None:
+        """The rollout/trainer agreement watch (``orchestrator.runner.drift``): a warning (log,
+        display, a ``trainer.is_weight_drift`` event) when the step's on-policy importance
+        weight leaves the tolerance, rate-limited; ``is_weight_drift`` in the record."""
+        watch = self.is_weight_watch
+        notice = watch.check(record["step"], record)
+        record["is_weight_drift"] = 1.0 if watch.drifting else 0.0
+        if notice is None:
+            return
+        if notice.warning:
+            log.warning("%s", notice.message)
+            payload = {"step": record["step"], "weight": notice.weight}
+            self.buffer.event(DRIFT_EVENT, notice.message, payload)
+        else:
+            log.info("%s", notice.message)
+        progress.message(notice.message)
 
     def _node_metrics(self) -> dict[str, float]:
         """Weight-load latency and progress of the rollout nodes (their own reports)."""

@@ -20,6 +20,7 @@ tested to match it.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -86,6 +87,15 @@ METRICS: dict[str, Spec] = {
     "rollcall_trainer_restarts_total": Spec("counter", _J, "trainer group restarts"),
     "rollcall_trainer_start_failures_total": Spec(
         "counter", _J, "trainer (re)starts that failed (not placed, or not set up, in time)"
+    ),
+    "rollcall_is_weight_mean": Spec(
+        "gauge", _J, "mean importance weight pi_old / pi_behaviour, last step's trained tokens"
+    ),
+    "rollcall_is_weight_onpolicy_geomean": Spec(
+        "gauge",
+        _J,
+        "geometric mean pi_old / pi_behaviour, last step's on-policy tokens (1: rollout and "
+        "trainer agree)",
     ),
     # tasks: quota, mix, throughput, reward
     "rollcall_task_weight": Spec("gauge", _T, "the task's quota weight"),
@@ -388,6 +398,18 @@ class MetricsExporter(Collector):
         f["rollcall_trainer_start_failures_total"].add_metric(
             [j], snap.events.get("trainer.start_failed", 0)
         )
+        # the latest step that has each (a step of stale samples only has no on-policy one)
+        for name, stat, fn in (
+            ("rollcall_is_weight_mean", "is_weight_mean", float),
+            ("rollcall_is_weight_onpolicy_geomean", "is_log_weight_onpolicy_mean", math.exp),
+        ):
+            found = [
+                float(v)
+                for v in (s.metrics.get(stat) for s in snap.steps)
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            ]
+            if found:
+                f[name].add_metric([j], fn(found[-1]))
         for t in snap.tasks:
             lt = [j, t.name]
             f["rollcall_task_weight"].add_metric(lt, t.weight)

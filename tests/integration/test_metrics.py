@@ -318,6 +318,11 @@ def test_metrics_scraped_during_a_short_job(
     assert value(series[-1], "rollcall_weight_load_seconds_count", node="rollout-0") >= 1
     assert value(series[-1], "rollcall_weight_load_seconds_sum", node="rollout-0") > 0
     assert value(series[-1], "rollcall_weight_publish_seconds_count") >= 2
+    # the importance weight of the last step, and the on-policy one at 1 (the hf engine and
+    # the trainer in float32 agree): no drift warning
+    assert abs(value(series[-1], "rollcall_is_weight_mean") - 1) < 0.2
+    assert abs(value(series[-1], "rollcall_is_weight_onpolicy_geomean") - 1) < 1e-3
+    assert not values(series[-1], "rollcall_events_total", kind="trainer.is_weight_drift")
     # status during the job: running, and it names the endpoint
     assert statuses and statuses[0]["job"]["running"] is True
     assert statuses[0]["job"]["metrics_url"] == url

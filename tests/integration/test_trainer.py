@@ -3,6 +3,7 @@ and resuming from a checkpoint matches an uninterrupted run."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -233,10 +234,65 @@ def test_chunked_checkpointed_and_bf16_steps_match_the_plain_step(
     assert chunked["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
     for k in weights["whole"]:
         torch.testing.assert_close(weights["chunked"][k], weights["whole"][k], rtol=1e-4, atol=1e-5)
-    for w in weights.values():
-        assert {t.dtype for t in w.values()} == {torch.float32}
+    # published in the dtype the forward computes with
+    for name, w in weights.items():
+        assert {t.dtype for t in w.values()} == {
+            torch.bfloat16 if name == "bf16" else torch.float32
+        }
     # bf16 rounding moved the loss by 2.1e-4 of itself and the gradient norm by 2.6e-4 (seen);
     # not at all would mean the step did not run in bf16
     gap = abs(bf16["loss"] - whole["loss"]) / abs(whole["loss"])
     assert 0 < gap < 2e-3
     assert bf16["grad_norm"] == pytest.approx(whole["grad_norm"], rel=2e-3)
+
+
+@pytest.mark.timeout(600)
+def test_a_bf16_trainer_publishes_bf16_that_engines_load(
+    ray_local: Any, tiny_dir: Path, tmp_path: Path
+) -> None:
+    """``precision: bf16`` publishes bf16 tensors (half the float32 bytes); the hf engine loads
+    them into float32 and into bf16 exactly, and a trainer loads them back."""
+    from safetensors.torch import load_file
+
+    from workers.rollout.engines.base import GenerationRequest
+    from workers.rollout.engines.hf import HFEngine
+    from workers.trainer.weights import read_metadata
+
+    vocab = _vocab(tiny_dir)
+    config = _config(1).model_copy(update={"precision": "bf16", "mini_batches": 1})
+    group = TrainerGroup(config, str(tiny_dir), total_steps=2, seed=0)
+    try:
+        group.train(_plan(0, vocab, 1, LOSS))
+        location = group.publish(str(tmp_path / "w"), 1)
+        group.load_weights(location, 1)  # bf16 back into the float32 weights
+        again = load_file(str(Path(group.publish(str(tmp_path / "again"), 1)) / WEIGHTS_FILE))
+    finally:
+        group.shutdown()
+    published = load_file(str(Path(location) / WEIGHTS_FILE))
+    assert {t.dtype for t in published.values()} == {torch.bfloat16}
+    assert read_metadata(location)["dtype"] == "bfloat16"
+    float32 = load_file(str(tiny_dir / "model.safetensors"))
+    assert published.keys() == float32.keys() - {"lm_head.weight"}
+    size, full = (
+        (Path(location) / WEIGHTS_FILE).stat().st_size,
+        sum(t.numel() * 4 for k, t in float32.items() if k in published),
+    )
+    assert 0.5 * full < size < 0.51 * full
+    for k in published:
+        assert torch.equal(again[k], published[k])
+    for dtype, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        engine = HFEngine(tiny_dir, dtype=dtype)
+        engine.load_weights(1, location)
+        state = engine.model.state_dict()
+        for k, t in published.items():
+            assert state[k].dtype == torch_dtype
+            assert torch.equal(state[k], t.to(torch_dtype)), k
+        (gen,) = engine.generate([GenerationRequest([5, 6, 7], 8)])
+        assert gen.version == 1 and len(gen.logprobs) > 0
+        assert all(math.isfinite(lp) and lp <= 0 for lp in gen.logprobs)
+
+
+def _vocab(model_dir: Path) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_dir).vocab_size)

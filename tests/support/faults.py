@@ -6,6 +6,7 @@ files in the folder ARG names (the actor runs in another process)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from pathlib import Path
@@ -84,6 +85,26 @@ def slow_start(engine: Engine) -> Any:
 def never_starts(engine: Engine) -> Any:
     """The constructor fails every time (as with a bad model path)."""
     raise FileNotFoundError("model folder /nonexistent/model has no config.json (fake)")
+
+
+LOGPROB_SHIFT = -0.1
+
+
+class ShiftedLogprobs(_Wrapped):
+    """Reports every token's behaviour log-prob ``LOGPROB_SHIFT`` off (as an engine reporting
+    the log-probs of another distribution than it sampled from): the trainer's on-policy
+    importance weight becomes exp(-LOGPROB_SHIFT), 1.105."""
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
+        with self._lock:
+            gens = self.inner.generate(requests)
+        return [
+            dataclasses.replace(g, logprobs=[lp + LOGPROB_SHIFT for lp in g.logprobs]) for g in gens
+        ]
+
+
+def shifted_logprobs(engine: Engine) -> Any:
+    return ShiftedLogprobs(engine)
 
 
 class AgentDeath(BaseException):

@@ -348,3 +348,44 @@ def test_stats_add_up_across_micro_batches() -> None:
 def test_staleness_of_a_batch() -> None:
     # version 5; trajectories whose turns ran under [3, 4], [5], [1, 5]: behind 2, 0, 4.
     assert staleness(5, [[3, 4], [5], [1, 5]]) == {"staleness_mean": 2.0, "staleness_max": 4.0}
+
+
+def test_agreement_stats_count_only_onpolicy_tokens() -> None:
+    from workers.trainer.grpo import agreement_stats
+
+    start = torch.tensor([-1.0, -2.0, -0.5, -3.0])
+    beh = torch.tensor([-1.0, -2.1, -0.1, -3.0])
+    on = torch.tensor([True, True, False, False])  # the last two: stale or not trained
+    s = agreement_stats(start, beh, on).summary()
+    assert s["onpolicy_tokens"] == 2
+    assert s["is_log_weight_onpolicy_mean"] == pytest.approx(0.05)
+    assert s["is_weight_onpolicy_mean"] == pytest.approx((1 + math.exp(0.1)) / 2)
+    assert "is_weight_onpolicy_mean" not in agreement_stats(start, beh, on & False).summary()
+
+
+def test_plan_step_marks_trajectories_of_the_trained_version_on_policy() -> None:
+    import numpy as np
+
+    from orchestrator.algorithms import LossConfig
+    from orchestrator.buffer.types import Batch, BatchGroup, BatchTrajectory, TrajectoryPayload
+    from workers.trainer.batch import plan_step
+
+    def traj(i: int, versions: list[int]) -> BatchTrajectory:
+        n = 4 * len(versions)
+        payload = TrajectoryPayload.build(
+            np.arange(n),
+            np.ones(n, dtype=np.uint8),
+            np.full(n, -1.0, dtype=np.float32),
+            turn_offsets=list(range(0, n, 4)),
+            turn_versions=versions,
+        )
+        return BatchTrajectory(i, payload, float(i))
+
+    group = BatchGroup(0, 1, "t", {}, 3, (traj(0, [5]), traj(1, [4]), traj(2, [4, 5])))
+    plan = plan_step(
+        Batch(5, 5, (group,), {}, False, {}), LossConfig(), ranks=1, micro_batch_tokens=64
+    )
+    seqs = [s for mini in plan.mini_batches for rank in mini for mb in rank for s in mb]
+    # rewards 0, 1, 2: advantages negative, zero, positive identify the three samples
+    by_sign = {int(math.copysign(1, s.advantage)) if s.advantage else 0: s.on_policy for s in seqs}
+    assert by_sign == {-1: True, 0: False, 1: False}  # [5] on-policy; [4] and [4, 5] stale

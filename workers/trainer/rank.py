@@ -24,7 +24,7 @@ from typing import Any
 
 from orchestrator.algorithms import LossConfig
 from workers.trainer.batch import TrainSequence
-from workers.trainer.grpo import LossStats, needs_proximal, policy_loss
+from workers.trainer.grpo import LossStats, agreement_stats, needs_proximal, policy_loss
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,11 @@ class TrainerRank:
         )
 
         def sharded(path: str, *, train: bool) -> Any:
+            # Loaded on the host and left there: ``fully_shard`` moves each module's states to
+            # the mesh's device as it shards them (one layer's full weights at a time, then
+            # only this rank's shard stays), instead of the whole model on every rank's
+            # device first.
             m: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            m = m.to(self.device)
             if train and s.activation_checkpointing:
                 m.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -211,6 +214,12 @@ class TrainerRank:
                 else:
                     old_logp = beh
                 mask = self._values(micro, lambda s: s.loss_mask).float()
+                # log-probs under the step's starting weights: the proximal ones, or this
+                # forward's before the step's first update
+                start = old[m][k] if proximal else logp.detach() if m == 0 else None
+                if start is not None:
+                    on = (mask > 0) & self._per_token(micro, lambda s: s.on_policy).bool()
+                    stats = stats + agreement_stats(start, beh, on)
                 adv = mask * self._per_token(micro, lambda s: s.advantage)
                 weights = mask * self._per_token(micro, lambda s: s.scale)
                 ref = None
@@ -307,8 +316,20 @@ class TrainerRank:
         sd = self.full_state_dict()
         if sd is None:
             return None
+        dtype = self.publish_dtype()
+        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
         # the optimizer updates behind these weights: a restart from them resumes the schedule
-        return publish(sd, Path(root), version, keep=keep, metadata={"updates": str(self.updates)})
+        meta = {"updates": str(self.updates), "dtype": str(dtype).removeprefix("torch.")}
+        return publish(sd, Path(root), version, keep=keep, metadata=meta)
+
+    def publish_dtype(self) -> Any:
+        """The dtype weights are published in: the one the forward computes with (bf16 under
+        ``precision: bf16``: the float32 weights cast, as FSDP2 casts them for the forward;
+        half the bytes to write and load), float32 otherwise. Engines load them into their own
+        dtype."""
+        import torch
+
+        return torch.bfloat16 if self.settings.precision == "bf16" else torch.float32
 
     def save_checkpoint(self, path: str, step: int) -> str:
         """Model, optimizer, scheduler and step, written to a temporary folder and renamed
@@ -373,7 +394,12 @@ class TrainerRank:
 
         recorded = read_metadata(location).get("updates")
         updates = int(recorded) if recorded is not None else updates
-        sd: dict[str, Any] = load_file(str(Path(location) / WEIGHTS_FILE))
+        # a bf16 publication (``precision: bf16``) goes back into the float32 weights: the
+        # rounded values, not the float32 ones of a checkpoint
+        sd: dict[str, Any] = {
+            k: v.float() if v.is_floating_point() else v
+            for k, v in load_file(str(Path(location) / WEIGHTS_FILE)).items()
+        }
         if self.tie and "lm_head.weight" not in sd:  # published without the tied copy
             sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
         set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True))

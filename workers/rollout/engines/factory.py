@@ -43,7 +43,11 @@ def make_engine(
         from workers.rollout.engines.hf import HFEngine
 
         return HFEngine(
-            model_dir, device=config.device, seed=seed, kv_cache_tokens=config.kv_cache_tokens
+            model_dir,
+            device=config.device,
+            seed=seed,
+            kv_cache_tokens=config.kv_cache_tokens,
+            dtype=config.dtype,
         )
     if isinstance(config, VLLMEngineConfig):
         from workers.rollout.engines.vllm import VLLMEngine

@@ -63,6 +63,7 @@ class HFEngine:
         seed: int = 0,
         kv_reuse: bool = True,
         kv_cache_tokens: int = DEFAULT_KV_CACHE_TOKENS,
+        dtype: str = "auto",
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -74,7 +75,10 @@ class HFEngine:
         self.device = torch.device(device)
         hf_logging.disable_progress_bar()
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+        # "auto": the dtype the folder's config names (a float32 tiny model, a bf16 SmolLM2)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=dtype if dtype == "auto" else getattr(torch, dtype)
+        )
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.eos_id = int(self.tokenizer.eos_token_id)
         self.pad_id = int(self.tokenizer.pad_token_id)
