@@ -23,13 +23,11 @@ def hf_onpolicy_is_weight(model_dir: Path, **batch: Any) -> dict[str, float]:
     return onpolicy_step_metrics(engine, model_dir, **batch)
 
 
-# TODO(smollm2): add the SmolLM2 case here once tests/conftest.py has the session fixture
-# ``smollm2_dir`` (`rollcall model import smollm2`): parametrize over
-# ["tiny_dir", "smollm2_dir"] and take the folder with request.getfixturevalue(name).
-# The job's temperature (1.0), and another: at 1.0 raw and temperature-scaled log-probs are the
-# same, at 0.7 only the scaled ones (what both sides must use) agree.
+# The tiny model and SmolLM2-135M-Instruct (imported from its GGUF file), at the job's
+# temperature (1.0) and another: at 1.0 raw and temperature-scaled log-probs are the same, at
+# 0.7 only the scaled ones (what both sides must use) agree.
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("model", ["tiny_dir"])
+@pytest.mark.parametrize("model", ["tiny_dir", "smollm2_dir"])
 def test_hf_engine_onpolicy_is_weight_is_one(
     model: str, temperature: float, request: pytest.FixtureRequest, ray_local: Any
 ) -> None:

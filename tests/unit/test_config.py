@@ -498,5 +498,5 @@ def test_the_smollm2_vllm_config_is_the_smollm2_config_with_a_cpu_vllm_node() ->
 def test_an_unreadable_chat_template_file_is_refused(tmp_path: Path) -> None:
     from orchestrator.config import read_chat_template
 
-    with pytest.raises(UserError, match="model.chat_template .* cannot be read"):
+    with pytest.raises(UserError, match=r"model.chat_template .* cannot be read"):
         read_chat_template(str(tmp_path / "missing.jinja"))

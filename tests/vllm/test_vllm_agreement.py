@@ -29,9 +29,6 @@ def vllm_float32(vllm_tiny_dir: Path) -> Iterator[Any]:
         engine.close()
 
 
-# TODO(smollm2): the SmolLM2 case goes here once tests/conftest.py has the session fixture
-# ``smollm2_dir``: a module fixture like ``vllm_float32`` on it (head size 64 is one vLLM's CPU
-# attention serves), then the same ``onpolicy_step_metrics(engine, smollm2_dir)`` check.
 # At 1.0 (the job's) and 0.7: only there do raw and temperature-scaled log-probs differ.
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_vllm_engine_onpolicy_is_weight_is_one(
@@ -39,6 +36,23 @@ def test_vllm_engine_onpolicy_is_weight_is_one(
 ) -> None:
     m = onpolicy_step_metrics(vllm_float32, vllm_tiny_dir, temperature=temperature)
     print(f"vllm engine (cpu, float32), tiny, T {temperature}: {describe(m)}")
+    assert_agree(m)
+
+
+def test_vllm_engine_onpolicy_is_weight_is_one_on_smollm2(
+    smollm2_dir: Path, ray_local: Any
+) -> None:
+    """SmolLM2-135M-Instruct (head size 64, which vLLM's CPU attention serves) in float32."""
+    from workers.rollout.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(
+        smollm2_dir, VLLMEngineConfig(device="cpu", dtype="float32", max_model_len=1024)
+    )
+    try:
+        m = onpolicy_step_metrics(engine, smollm2_dir)
+    finally:
+        engine.close()
+    print(f"vllm engine (cpu, float32), smollm2, T 1.0: {describe(m)}")
     assert_agree(m)
 
 
