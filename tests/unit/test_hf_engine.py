@@ -142,3 +142,25 @@ def test_a_new_long_context_does_not_widen_the_batch(tiny_dir: Path) -> None:
         n = len(r.prompt_ids)
         for j, t in enumerate(g.token_ids):
             assert abs(lp[n + j - 1, t].item() - g.logprobs[j]) < 1e-4
+
+
+def test_tokens_count_while_a_batch_generates(tiny_dir: Path) -> None:
+    """The node's progress (``health().tokens_generated``, which the heartbeat reports) grows
+    with every
+    decoding step, not only when a batch's generate call returns: a real model's batch of long
+    turns on a loaded CPU takes longer than the control plane's progress timeout (seen with
+    SmolLM2-135M: a node declared hung while it was generating)."""
+    engine = HFEngine(tiny_dir, seed=0)
+    seen: list[int] = []
+    forward = engine._forward
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(engine.health().tokens_generated)
+        return forward(*args, **kwargs)
+
+    engine._forward = recording  # type: ignore[method-assign]
+    requests = [GenerationRequest([5, 6, 7], 40, 1.0) for _ in range(2)]
+    gens = engine.generate(requests)
+    total = sum(len(g.token_ids) for g in gens)
+    assert engine.health().tokens_generated == total
+    assert len(seen) > 2 and 0 < seen[2] < total, seen[:5]

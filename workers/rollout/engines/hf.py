@@ -161,6 +161,7 @@ class HFEngine:
                 tok = int(tokens[i])
                 out_ids[i].append(tok)
                 out_lps[i].append(float(chosen[i]))
+                self._tokens += 1  # progress as it happens: the heartbeat reports it
                 if tok == self.eos_id or len(out_ids[i]) >= limits[i]:
                     active[i] = False
                 else:
@@ -184,7 +185,6 @@ class HFEngine:
         for toks, lps, r in zip(out_ids, out_lps, reused, strict=True):
             reason = "stop" if toks and toks[-1] == self.eos_id else "length"
             gens.append(Generation(toks, lps, reason, version, cached_tokens=r))
-            self._tokens += len(toks)
         return gens
 
     def _layout(self, prompts: list[np.ndarray], sources: list[Source]) -> Any:
