@@ -146,10 +146,9 @@ def test_a_new_long_context_does_not_widen_the_batch(tiny_dir: Path) -> None:
 
 def test_tokens_count_while_a_batch_generates(tiny_dir: Path) -> None:
     """The node's progress (``health().tokens_generated``, which the heartbeat reports) grows
-    with every
-    decoding step, not only when a batch's generate call returns: a real model's batch of long
-    turns on a loaded CPU takes longer than the control plane's progress timeout (seen with
-    SmolLM2-135M: a node declared hung while it was generating)."""
+    with every decoding step, not only when a batch's generate call returns: a real model's
+    batch of long turns on a loaded CPU takes longer than the control plane's progress timeout
+    (seen with SmolLM2-135M: a node declared hung while it was generating)."""
     engine = HFEngine(tiny_dir, seed=0)
     seen: list[int] = []
     forward = engine._forward
