@@ -41,13 +41,17 @@ def available() -> int:
 class ChildResult:
     stdout: str
     returncode: int
-    over_cap: bool  # stopped: its memory passed the cap
+    over_cap: bool  # stopped: its memory passed the cap, or the machine's ran short
     timed_out: bool
     max_rss: int  # the largest RSS the parent saw, in bytes
 
 
-def run_child(cmd: list[str], *, cap: int, timeout_s: float, poll_s: float = 0.05) -> ChildResult:
-    """Run ``cmd``, killing it when its RSS passes ``cap`` bytes or it runs past ``timeout_s``."""
+def run_child(
+    cmd: list[str], *, cap: int, timeout_s: float, reserve: int = GIB, poll_s: float = 0.05
+) -> ChildResult:
+    """Run ``cmd``, killing it when its RSS passes ``cap`` bytes, when the machine has less than
+    ``reserve`` bytes available (other processes grew meanwhile), or when it runs past
+    ``timeout_s``."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout_s
     seen = 0
@@ -55,7 +59,7 @@ def run_child(cmd: list[str], *, cap: int, timeout_s: float, poll_s: float = 0.0
     while proc.poll() is None:
         now = rss(proc.pid)
         seen = max(seen, now)
-        if now > cap:
+        if now > cap or available() < reserve:
             over = True
         elif time.monotonic() > deadline:
             timed_out = True

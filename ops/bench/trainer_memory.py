@@ -14,8 +14,9 @@ Each (set-up, size) runs in its own process; the figures are that process's peak
 whole run, its RSS once the rank is set up (weights, before the step: AdamW's state and the
 gradients come in the step), and the step's wall time. The dense block-diagonal mask of
 ``PackedBatch.attention_mask`` (``[T, T]`` in the model's dtype, float32 under FSDP2 either way)
-is reported on its own. A process whose RSS passes ``--cap-gib`` is killed and reported as
-"did not fit", so the machine's OOM killer never picks a victim.
+is reported on its own. A process whose RSS passes ``--cap-gib``, or that leaves the machine
+less than 1 GiB available, is killed and reported as "did not fit", so the machine's OOM killer
+never picks a victim.
 
 Usage: python ops/bench/trainer_memory.py [--model DIR] [--tokens 2048 8192 16384]
        [--setups before after] [--threads 2] [--cap-gib G] [--timeout-s S]
@@ -167,7 +168,8 @@ def main() -> None:
                     row = json.loads(lines[-1])
                 else:
                     why = (
-                        f"RSS passed the cap of {cap / GIB:.1f} GiB"
+                        f"RSS passed {cap / GIB:.1f} GiB or the machine's available memory "
+                        f"fell under 1 GiB (RSS reached {child.max_rss / GIB:.1f} GiB)"
                         if child.over_cap
                         else f"ran past {args.timeout_s:.0f} s"
                         if child.timed_out
