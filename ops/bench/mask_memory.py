@@ -26,7 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ops.bench.memory import peak_rss
 
-CASES = (("float", "float32"), ("bool", "float32"), ("float", "bfloat16"), ("bool", "bfloat16"))
+CASES = (
+    ("float", "float32"),
+    ("bool", "float32"),
+    ("float", "bfloat16"),
+    ("bool", "bfloat16"),
+    ("float32", "bfloat16"),
+)
 
 
 def measure(kind: str, dtype_name: str, tokens: int, layers: int) -> str:
@@ -40,8 +46,10 @@ def measure(kind: str, dtype_name: str, tokens: int, layers: int) -> str:
     dtype = getattr(torch, dtype_name)
     q = tokens // 4
     packed = pack([[1] * n for n in (q, q, q, tokens - 3 * q)])
-    additive = packed.attention_mask(dtype)  # what the trainer passes today
-    mask = additive if kind == "float" else additive == 0
+    # "float": additive in the queries' dtype; "float32": additive in float32 (what the trainer
+    # passes under FSDP2 bf16, the model's dtype being its float32 weights'); "bool": allowed
+    additive = packed.attention_mask(torch.float32 if kind == "float32" else dtype)
+    mask = additive == 0 if kind == "bool" else additive
     query = torch.randn(1, 9, tokens, 64, dtype=dtype, requires_grad=True)
     kv = torch.randn(1, 3, tokens, 64, dtype=dtype, requires_grad=True)
     base = peak_rss()
@@ -52,7 +60,7 @@ def measure(kind: str, dtype_name: str, tokens: int, layers: int) -> str:
     h.float().sum().backward()
     peak = peak_rss()
     return (
-        f"{kind:>5} mask, {dtype_name:<8}: peak +{(peak - base) / 2**20:,.0f} MiB over "
+        f"{kind:>7} mask, {dtype_name:<8}: peak +{(peak - base) / 2**20:,.0f} MiB over "
         f"{layers} layers, {time.perf_counter() - start:.1f} s (the mask: "
         f"{mask.numel() * mask.element_size() / 2**20:,.0f} MiB)"
     )
