@@ -11,13 +11,14 @@ Prints one line per chunk size (0: the whole row at once).
 from __future__ import annotations
 
 import argparse
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from ops.bench.memory import peak_rss
 
 VOCAB = 151_936
 
@@ -45,16 +46,16 @@ def measure(tokens: int, chunk: int) -> str:
     q = tokens // 4
     lengths = [q + 3, q - 5, q + 1, tokens - 3 * q + 1]
     packed = pack([torch.randint(0, VOCAB, (n,)).tolist() for n in lengths])
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = peak_rss()
     start = time.perf_counter()
     logp, entropy = token_logprobs(
         model, packed, temperature=0.7, with_entropy=True, chunk_tokens=chunk
     )
     assert entropy is not None
     (logp.mean() + 0.01 * entropy.mean()).backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak = peak_rss()
     return (
-        f"chunk {chunk:>6}: peak +{(peak - base) / 1024:,.0f} MiB, "
+        f"chunk {chunk:>6}: peak +{(peak - base) / 2**20:,.0f} MiB, "
         f"{time.perf_counter() - start:.1f} s (logits of the whole row: "
         f"{(packed.tokens - 1) * VOCAB * 4 / 2**20:,.0f} MiB)"
     )

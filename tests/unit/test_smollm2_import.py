@@ -13,6 +13,10 @@ import torch
 from tests.conftest import make_cli_runner
 from workers import realmodel
 
+# The import (a GGUF read and a 538 MB save, with the session fixture's) takes 1-2 min alone
+# on two cores and several times that beside other work: more than the default 300 s.
+pytestmark = pytest.mark.timeout(900)
+
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
