@@ -220,7 +220,7 @@ def test_a_smollm2_hermes_call_is_run_and_its_result_comes_back_as_a_tool_messag
     tok = engine.tokenizer
     (context, gen) = engine.calls[0]
     assert context == t.token_ids[: t.prompt_tokens]  # the prompt, rendered by its template
-    assert tok.decode(t.token_ids[: t.prompt_tokens]).endswith("<|im_start|>assistant\n")
+    assert str(tok.decode(t.token_ids[: t.prompt_tokens])).endswith("<|im_start|>assistant\n")
     end = t.prompt_tokens + len(gen.token_ids)
     assert t.token_ids[t.prompt_tokens : end] == gen.token_ids  # kept as generated
     assert tok.decode(gen.token_ids) == HERMES_CALL + "<|im_end|>"
