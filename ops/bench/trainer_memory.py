@@ -195,7 +195,8 @@ def main() -> None:
                 f"{r['mask_mib']:>6,} MiB {r['mask_dtype']}"
             )
         else:
-            print(f"{r['setup']:<7} {r['tokens']:>7,} did not fit ({r['why']})")
+            verdict = "did not finish" if r["why"].startswith("ran past") else "did not fit"
+            print(f"{r['setup']:<7} {r['tokens']:>7,} {verdict} ({r['why']})")
     print(
         json.dumps(
             {
