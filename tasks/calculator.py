@@ -156,11 +156,12 @@ class CalculatorTask(SplitTask):
         return Observation(format_number(value), {**state, "calc_calls": calls})
 
     def read_answer(self, spec: TaskSpec, text: str) -> str | None:
-        """The answer as written when it is a number (``42``, ``42 km.``); otherwise the last
-        number in a free-form reply (``The answer is 42.``, ``**42**``); else the text."""
-        if parse_number(text) is not None:
-            return text.strip()
+        """One number is read as written (``42``, ``42 km.``: the reward tolerates units); in a
+        reply with several, the last is the answer (``19 - 5 = 9. The answer is 9.``); a reply
+        without a number is kept as it is (and earns nothing)."""
         numbers = _ANY_NUMBER.findall(text)
+        if len(numbers) == 1 and parse_number(text) is not None:
+            return text.strip()
         return numbers[-1] if numbers else text.strip()
 
     def reward(

@@ -234,3 +234,24 @@ def test_retrieval_splits_are_disjoint() -> None:
     train = {task.prompt(spec, i)["question"] for i in range(300)}
     held = {task.eval_prompt(spec, i)["question"] for i in range(100)}
     assert train and held and not train & held
+
+
+@pytest.mark.parametrize(
+    ("text", "read"),
+    [
+        ("42", "42"),
+        ("42 km.", "42 km."),  # one number as written: the reward tolerates units
+        ("-1,234", "-1,234"),
+        ("The answer is 42.", "42"),
+        ("**42**", "42"),
+        # a free reply that shows its working: the last number is the answer (seen from
+        # SmolLM2-135M; read as its first number before)
+        ("19 - 5 = 9\n\nThe answer is 9.", "9"),
+        ("17 * 11 - 74 = 113", "113"),
+        ("no idea", "no idea"),
+    ],
+)
+def test_the_calculator_reads_the_answer_of_a_free_reply(text: str, read: str) -> None:
+    from tasks.calculator import CalculatorSpec, CalculatorTask
+
+    assert CalculatorTask().read_answer(CalculatorSpec(), text) == read
