@@ -39,23 +39,6 @@ def test_vllm_engine_onpolicy_is_weight_is_one(
     assert_agree(m)
 
 
-def test_vllm_engine_onpolicy_is_weight_is_one_on_smollm2(
-    smollm2_dir: Path, ray_local: Any
-) -> None:
-    """SmolLM2-135M-Instruct (head size 64, which vLLM's CPU attention serves) in float32."""
-    from workers.rollout.engines.vllm import VLLMEngine
-
-    engine = VLLMEngine(
-        smollm2_dir, VLLMEngineConfig(device="cpu", dtype="float32", max_model_len=1024)
-    )
-    try:
-        m = onpolicy_step_metrics(engine, smollm2_dir)
-    finally:
-        engine.close()
-    print(f"vllm engine (cpu, float32), smollm2, T 1.0: {describe(m)}")
-    assert_agree(m)
-
-
 def test_vllm_loads_bf16_published_weights_into_its_float32_model(
     vllm_float32: Any, vllm_tiny_dir: Path, tmp_path: Path
 ) -> None:
