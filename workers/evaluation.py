@@ -4,15 +4,26 @@
 nodes' engines), loads a published version, and plays each task's held-out prompts
 (``plugin.eval_prompt``) through the same agent loop as rollout, all loops batched together.
 ``evaluator_actor()`` makes it a Ray actor.
+
+Evaluation is deterministic: held-out prompt ``i`` of a task is always the same prompt, and its
+episode samples with a seed of its own (``episode_seed``: the run's seed, the task, ``i``;
+``GenerationRequest.seed``), so the same weights give the same rewards whatever else shares the
+batch, and two evaluations of one checkpoint agree.
 """
 
 from __future__ import annotations
 
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from tasks import registry
+
+
+def episode_seed(seed: int, task: str, index: int) -> int:
+    """The sampling seed of held-out episode ``index`` of ``task``."""
+    return (seed * 1_000_003 + zlib.crc32(task.encode()) * 65_537 + index) % (1 << 62)
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,7 @@ class Evaluator:
         self.max_tokens_per_turn = max_tokens_per_turn
         self.max_tokens = max_tokens
         self.temperature = temperature
+        self.seed = seed
         from workers.rollout.chat import chat_for
 
         self.chat = chat_for(self.hf.tokenizer, tool_format, chat_template)
@@ -58,8 +70,8 @@ class Evaluator:
         episodes: int,
         version: int = 0,
         location: str | None = None,
-    ) -> dict[str, float]:
-        """Mean reward per task over held-out prompts 0..episodes-1 under ``version``."""
+    ) -> dict[str, list[float]]:
+        """The reward of each held-out prompt 0..episodes-1 per task, under ``version``."""
         from workers.rollout.agent import AgentLoop, Limits
         from workers.rollout.tools import ToolRunner
 
@@ -75,6 +87,7 @@ class Evaluator:
                 max_tokens_per_turn=self.max_tokens_per_turn,
                 max_tokens=self.max_tokens,
                 temperature=self.temperature,
+                seed=episode_seed(self.seed, task.name, i),
             )
             with ToolRunner() as runner:
                 loop = AgentLoop(
@@ -92,7 +105,7 @@ class Evaluator:
         jobs = [(t, i) for t in tasks for i in range(episodes)]
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             results = list(pool.map(one, jobs))
-        return {t.name: sum(r for n, r in results if n == t.name) / episodes for t in tasks}
+        return {t.name: [r for n, r in results if n == t.name] for t in tasks}
 
     def close(self) -> None:
         self.engine.close()

@@ -284,35 +284,15 @@ def evaluate_rewards(
     max_tokens_per_turn: int = 64,
     seed: int = 0,
 ) -> dict[str, float]:
-    """Mean reward per task on held-out prompts, sampling at ``temperature``; the agent loops
-    of all tasks run concurrently against one batching engine."""
-    from concurrent.futures import ThreadPoolExecutor
+    """Mean reward per task on held-out prompts (``workers.evaluation.Evaluator``: seeded
+    per episode, so deterministic for the weights), each task with its default spec."""
+    from workers.evaluation import EvalTask, Evaluator
 
-    from workers.rollout.agent import AgentLoop, Limits
-    from workers.rollout.engines.batching import BatchingEngine
-    from workers.rollout.engines.hf import HFEngine
-    from workers.rollout.tools import ToolRunner
-
-    hf = HFEngine(model_dir, seed=seed)
-    engine = BatchingEngine(hf, max_batch=16)
-
-    def one(job: tuple[str, int]) -> tuple[str, float]:
-        name, i = job
-        plugin = registry.get(name)
-        spec = plugin.Spec()
-        limits = Limits(
-            max_turns=spec.max_turns,
-            max_tokens_per_turn=max_tokens_per_turn,
-            temperature=temperature,
-        )
-        with ToolRunner() as runner:
-            loop = AgentLoop(
-                engine, hf.tokenizer, plugin, spec, plugin.eval_prompt(spec, i), runner, limits
-            )
-            return name, loop.run().reward
-
-    jobs = [(name, i) for name in tasks for i in range(episodes)]
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        results = list(pool.map(one, jobs))
-    engine.close()
-    return {name: sum(r for n, r in results if n == name) / episodes for name in tasks}
+    evaluator = Evaluator(
+        model_dir, max_tokens_per_turn=max_tokens_per_turn, temperature=temperature, seed=seed
+    )
+    try:
+        rewards = evaluator.evaluate([EvalTask(t, t, {}) for t in tasks], episodes)
+    finally:
+        evaluator.close()
+    return {task: sum(rs) / len(rs) for task, rs in rewards.items()}

@@ -179,18 +179,51 @@ def report(result: RunResult, json_out: bool) -> None:
     if json_out:
         print_json(asdict(result))
         return
-    first = result.evals[0]["reward"] if result.evals else {}
-    last = result.evals[-1]["reward"] if result.evals else {}
     say.print(
         f"job {result.job}: {result.steps} steps, {result.trained_samples} samples trained this "
         f"run in {result.wall_s:.0f} s (trainer busy {result.busy_frac:.0%})",
         markup=False,
     )
-    for task in sorted(last):
-        say.print(
-            f"  {task}: held-out reward {first.get(task, float('nan')):.3f} -> {last[task]:.3f}",
-            markup=False,
-        )
+    for line in summary_lines(result):
+        say.print(line, markup=False)
     say.print(f"run directory: {result.run_dir}", markup=False)
     if result.final_dir:
         say.print(f"final policy (transformers): {result.final_dir}", markup=False)
+    say.print(f"learning curve: {result.run_dir}/learning_curve.png", markup=False)
+    say.print("next:", markup=False)
+    for line in NEXT_STEPS:
+        say.print(f"  {line}", markup=False)
+
+
+# What a new user may run after the quickstart (shown at the end of every run).
+NEXT_STEPS = (
+    "rollcall status                        the last job at a glance (--watch)",
+    "rollcall drill kill-rollout            kill a rollout node; nothing is lost",
+    "rollcall run configs/smollm2.yaml      a real instruct model with tool calls",
+    "rollcall run configs/quickstart-vllm.yaml   the quickstart on vLLM (CPU)",
+)
+
+
+def summary_lines(result: RunResult) -> list[str]:
+    """The final summary: per task the held-out reward at the first and the last evaluation,
+    the paired gain with its 95% interval, the samples trained and the time (at most 80
+    columns)."""
+    from orchestrator.evalstats import gains
+
+    rows = gains(result.evals)
+    if not rows:
+        return []
+    lines = [
+        f"  {'task':<12} {'held-out':>14}  {'gain [95% interval]':<24} {'samples':>7} {'time':>6}"
+    ]
+    for g in rows:
+        span = f"{g.start:.3f} -> {g.end:.3f}"
+        if g.gain is None:
+            gain = f"{g.end - g.start:+.3f}"
+        else:
+            gain = f"{g.gain.mean:+.3f} [{g.gain.low:+.3f}, {g.gain.high:+.3f}]"
+        samples = result.trained_by_task.get(g.task, 0)
+        lines.append(
+            f"  {g.task[:12]:<12} {span:>14}  {gain:<24} {samples:>7} {result.wall_s:>5.0f}s"
+        )
+    return lines

@@ -75,6 +75,7 @@ class RunResult:
     train_s: float
     busy_frac: float
     trained_samples: int
+    trained_by_task: dict[str, int] = field(default_factory=dict)  # trajectories, this run
     evals: list[dict[str, Any]] = field(default_factory=list)
     final_dir: str | None = None
     stopped_early: bool = False
@@ -538,6 +539,7 @@ class JobDriver:
         started = time.monotonic()
         train_s = 0.0
         trained = 0
+        trained_by_task: dict[str, int] = {}
         snap = Snapshot(cfg.job.name, cfg.run.mode, self.step, total, self.step, 0.0)
         stopped_early = False
         steps_this_run = 0
@@ -589,6 +591,12 @@ class JobDriver:
                     continue
                 train_s += record["train_s"] + record["publish_s"] + record["checkpoint_s"]
                 trained += batch.num_trajectories
+                for g in batch.groups:
+                    key = f"samples/{g.task_name}"
+                    record[key] = record.get(key, 0) + len(g.trajectories)
+                    trained_by_task[g.task_name] = trained_by_task.get(g.task_name, 0) + len(
+                        g.trajectories
+                    )
                 steps_this_run += 1
                 self.step += 1
                 record.update(
@@ -634,6 +642,7 @@ class JobDriver:
             train_s=train_s,
             busy_frac=train_s / wall if wall > 0 else 0.0,
             trained_samples=trained,
+            trained_by_task=trained_by_task,
             evals=self.run_dir.records("eval"),
             final_dir=final_dir,
             stopped_early=stopped_early,
@@ -817,8 +826,10 @@ class JobDriver:
                     ray.kill(self.evaluator)
                 self._start_evaluator()
                 continue
-            self.run_dir.append({"kind": "eval", "step": step, "reward": reward})
-            snap.heldout = reward
+            # the mean per task, and each held-out episode's reward (for intervals and gains)
+            means = {task: sum(rs) / len(rs) for task, rs in reward.items() if rs}
+            self.run_dir.append({"kind": "eval", "step": step, "reward": means, "rewards": reward})
+            snap.heldout = means
         self.pending_evals = keep
 
     # -- teardown -----------------------------------------------------------------------------

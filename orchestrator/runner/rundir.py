@@ -2,7 +2,7 @@
 
 config.yaml          the resolved config (database password masked)
 metrics.jsonl        one JSON object per train step and per evaluation
-learning_curve.png   held-out reward per task against step
+learning_curve.png   held-out reward per task against step, with 95% intervals as bands
 weights/vNNNNNN/     published policy versions (the last few)
 checkpoints/step-N/  trainer checkpoints (model, optimizer, scheduler, step)
 final/               the final policy, ``save_pretrained`` format with its tokenizer
@@ -99,9 +99,29 @@ class RunDir:
 
         tasks = sorted({t for r in evals for t in r["reward"]})
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+        from orchestrator.evalstats import mean_interval
+
         for task in tasks:
-            pts = sorted((r["step"], r["reward"][task]) for r in evals if task in r["reward"])
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=task)
+            pts = sorted(
+                [
+                    (r["step"], r["reward"][task], r.get("rewards", {}).get(task))
+                    for r in evals
+                    if task in r["reward"]
+                ],
+                key=lambda p: p[0],
+            )
+            (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=task)
+            # the 95% interval of each evaluation's mean, where the episodes' rewards are kept
+            band = [(p[0], mean_interval(p[2])) for p in pts if p[2]]
+            if band:
+                ax.fill_between(
+                    [b[0] for b in band],
+                    [b[1].low for b in band],
+                    [b[1].high for b in band],
+                    color=line.get_color(),
+                    alpha=0.18,
+                    linewidth=0,
+                )
         ax.set_xlabel("step (policy version)")
         ax.set_ylabel("mean reward, held-out prompts")
         ax.set_ylim(-0.02, 1.02)

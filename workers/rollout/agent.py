@@ -38,6 +38,7 @@ class Limits:
     max_tokens_per_turn: int = 96
     max_tokens: int = 2048
     temperature: float = 1.0
+    seed: int | None = None  # seeded sampling (``GenerationRequest.seed``): evaluation only
 
 
 @dataclass
@@ -151,7 +152,11 @@ class AgentLoop:
             t.finished, t.stop_reason = True, "turn limit" if budget > 0 else "token limit"
             return
         gen = self.engine.generate(
-            [GenerationRequest(list(t.token_ids), budget, self.limits.temperature)]
+            [
+                GenerationRequest(
+                    list(t.token_ids), budget, self.limits.temperature, self.limits.seed
+                )
+            ]
         )[0]
         t.turn_offsets.append(len(t.token_ids))
         t.turn_versions.append(gen.version)

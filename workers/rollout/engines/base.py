@@ -27,6 +27,10 @@ class GenerationRequest:
     prompt_ids: list[int]  # the whole context so far, exactly as the trajectory holds it
     max_new_tokens: int
     temperature: float = 1.0
+    # Seeded sampling: the token at sequence position p is drawn with a random number that
+    # depends on (seed, p) only, not on the batch or on earlier requests, so the same context
+    # and weights give the same tokens (evaluation uses it; rollout leaves it None).
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,3 +60,11 @@ class Engine(Protocol):
     def load_weights(self, version: int, location: str) -> None: ...
 
     def health(self) -> EngineHealth: ...
+
+
+def seeded(seed: int, position: int) -> int:
+    """A 63-bit seed for sampling at ``position`` of a sequence seeded with ``seed``."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

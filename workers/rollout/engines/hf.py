@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from workers.rollout.engines.base import EngineHealth, Generation, GenerationRequest
+from workers.rollout.engines.base import EngineHealth, Generation, GenerationRequest, seeded
 from workers.rollout.engines.kvstore import KVEntry, KVStore
 
 DEFAULT_KV_CACHE_TOKENS = 65_536
@@ -152,6 +152,9 @@ class HFEngine:
             logits = out.logits[:, -1, :].float() / temperature  # [B, V]
             logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
             tokens = torch.multinomial(logprobs.exp(), 1, generator=self._generator)  # [B, 1]
+            for i, r in enumerate(requests):
+                if r.seed is not None and active[i]:
+                    tokens[i, 0] = _seeded_token(logprobs[i], r.seed, lengths[i] + len(out_ids[i]))
             chosen = logprobs.gather(-1, tokens).squeeze(-1).cpu()  # [B]
             tokens = tokens.squeeze(-1).cpu()  # [B]
             fed = torch.zeros((rows, 1), dtype=torch.long)  # [B, 1]: the next input's mask
@@ -305,3 +308,12 @@ class HFEngine:
 
     def health(self) -> EngineHealth:
         return EngineHealth(self._version, self._tokens, self._requests)
+
+
+def _seeded_token(logprobs: Any, seed: int, position: int) -> int:
+    """The token at ``position`` by inverse-CDF sampling with a uniform number of
+    ``(seed, position)`` alone (``GenerationRequest.seed``), in float64 over the row's
+    probabilities: the batch a row shares and the requests before it do not change it."""
+    u = np.random.default_rng(seeded(seed, position)).random()
+    cdf = np.cumsum(np.exp(logprobs.double().cpu().numpy()))
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), cdf.shape[0] - 1))

@@ -80,6 +80,7 @@ from workers.rollout.engines.base import (
     EngineHealth,
     Generation,
     GenerationRequest,
+    seeded,
 )
 
 WEIGHTS_FILE = "model.safetensors"  # what ``workers.trainer.weights.publish`` writes
@@ -440,6 +441,8 @@ class VLLMEngine:
                     stop_token_ids=[self.eos_id],
                     detokenize=False,
                     output_kind=RequestOutputKind.FINAL_ONLY,
+                    # vLLM seeds a request's own generator: one seed per (seed, turn start)
+                    seed=None if r.seed is None else seeded(r.seed, len(r.prompt_ids)),
                 )
                 for r in requests
             ]
