@@ -39,13 +39,10 @@ from typing import Any
 from orchestrator.buffer.timings import OpTimings, timed
 from orchestrator.buffer.types import (
     Batch,
-    BatchTrajectory,
     ClaimedEpisode,
     CommitResult,
     Lease,
-    SampleState,
     SweepResult,
-    TrajectoryPayload,
 )
 from orchestrator.config import BufferConfig
 from orchestrator.db.engine import Database, Tx
@@ -53,7 +50,13 @@ from orchestrator.db.repos.batches import TaskQuotaRow
 from orchestrator.db.repos.episodes import LeasedRow
 from orchestrator.db.repos.workers import WorkerView
 from orchestrator.db.retry import CAP_S, Outage, OutageTracker, retry_transient
-from orchestrator.domain import WorkerRole, WorkerStatus
+from orchestrator.domain import (
+    BatchTrajectory,
+    SampleState,
+    TrajectoryPayload,
+    WorkerRole,
+    WorkerStatus,
+)
 from orchestrator.errors import ConflictError, DriverFencedError, StaleLeaseError
 from orchestrator.quotas import SeedInput, allocate_batch, claim_order, seed_counts
 from tasks import registry

@@ -13,10 +13,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from orchestrator.buffer.types import SampleState, TrajectoryPayload
 from orchestrator.db import raw
 from orchestrator.db.models import Trajectory
-from orchestrator.domain import TrajectoryStatus
+from orchestrator.domain import SampleState, TrajectoryPayload, TrajectoryStatus
 
 _COLUMNS = (
     "task_id",
