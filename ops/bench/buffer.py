@@ -37,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np
 
 from orchestrator.buffer.service import Buffer
-from orchestrator.buffer.types import TrajectoryPayload
 from orchestrator.config import BufferConfig
 from orchestrator.db import migrate
 from orchestrator.db.embedded import EmbeddedPostgres
 from orchestrator.db.engine import open_database
+from orchestrator.domain import TrajectoryPayload
 from orchestrator.services.tasks import register_task
 
 GROUP = 8

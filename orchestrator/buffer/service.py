@@ -39,13 +39,10 @@ from typing import Any
 from orchestrator.buffer.timings import OpTimings, timed
 from orchestrator.buffer.types import (
     Batch,
-    BatchTrajectory,
     ClaimedEpisode,
     CommitResult,
     Lease,
-    SampleState,
     SweepResult,
-    TrajectoryPayload,
 )
 from orchestrator.config import BufferConfig
 from orchestrator.db.engine import Database, Tx
@@ -53,7 +50,13 @@ from orchestrator.db.repos.batches import TaskQuotaRow
 from orchestrator.db.repos.episodes import LeasedRow
 from orchestrator.db.repos.workers import WorkerView
 from orchestrator.db.retry import CAP_S, Outage, OutageTracker, retry_transient
-from orchestrator.domain import WorkerRole, WorkerStatus
+from orchestrator.domain import (
+    BatchTrajectory,
+    SampleState,
+    TrajectoryPayload,
+    WorkerRole,
+    WorkerStatus,
+)
 from orchestrator.errors import ConflictError, DriverFencedError, StaleLeaseError
 from orchestrator.quotas import SeedInput, allocate_batch, claim_order, seed_counts
 from tasks import registry
@@ -498,49 +501,34 @@ class Buffer:
         lease: Lease,
         samples: list[tuple[int, TrajectoryPayload, float | None, dict[str, Any] | None]],
     ) -> CommitResult:
-        """Several samples of one group in one transaction, fenced by the episode lock."""
+        """Several samples of one group in one transaction: ``_write_one``'s statement for
+        each, pipelined."""
         with self.db.transaction() as tx:
-            row = tx.episodes.lock_lease(lease.episode_id, lease.epoch)
-            if row is not None:
-                written = tx.trajectories.upsert(
-                    task_id=row.task_id,
-                    episode_id=lease.episode_id,
-                    epoch=lease.epoch,
-                    samples=samples,
-                )
-                done = tx.episodes.complete_if_whole(row.task_id, lease.episode_id)
-                if done:
-                    tx.batches.notify_group_done(self.job_id)
-                indexes = [s[0] for s in samples]
-                return CommitResult(
-                    committed=tuple(i for i in indexes if i in written),
-                    already=tuple(i for i in indexes if i not in written),
-                    group_done=done,
-                )
-            result = self._idempotent_commit(tx, lease, samples)
-            if result is not None:
-                return result
-        # Count the rejection in a transaction of its own (the rejected one wrote nothing).
-        with self.db.transaction() as tx:
-            tx.episodes.bump_task_counter(lease.task_id, "fenced_rejections")
-        raise StaleLeaseError(lease.episode_id, lease.epoch, _MOVED_ON)
-
-    def _idempotent_commit(
-        self,
-        tx: Tx,
-        lease: Lease,
-        samples: list[tuple[int, TrajectoryPayload, float | None, dict[str, Any] | None]],
-    ) -> CommitResult | None:
-        """A repeated commit after the group completed under the same lease: report success
-        without writing. Any other case is a stale write (None)."""
-        ep = tx.episodes.get_status(lease.episode_id)
-        if ep is None or ep.lease_epoch != lease.epoch or ep.status != "done":
-            return None
-        statuses = tx.trajectories.statuses(ep.task_id, lease.episode_id)
-        indexes = [s[0] for s in samples]
-        if all(statuses.get(i) in {"ready", "claimed", "consumed"} for i in indexes):
-            return CommitResult(committed=(), already=tuple(indexes), group_done=True)
-        return None
+            outcomes = tx.trajectories.write_samples(
+                episode_id=lease.episode_id, epoch=lease.epoch, samples=samples
+            )
+            stale = any(outcome == "stale" for outcome, _ in outcomes)
+            done = any(d for _, d in outcomes)
+            if not stale and done:
+                tx.batches.notify_group_done(self.job_id)
+        if stale:
+            # Nothing was written; count the rejection in a transaction of its own.
+            with self.db.transaction() as tx:
+                tx.episodes.bump_task_counter(lease.task_id, "fenced_rejections")
+            raise StaleLeaseError(lease.episode_id, lease.epoch, _MOVED_ON)
+        return CommitResult(
+            committed=tuple(
+                s[0]
+                for s, (outcome, _) in zip(samples, outcomes, strict=True)
+                if outcome == "written" and s[2] is not None
+            ),
+            already=tuple(
+                s[0]
+                for s, (outcome, _) in zip(samples, outcomes, strict=True)
+                if outcome == "already"
+            ),
+            group_done=done,
+        )
 
     # -- trainer side ---------------------------------------------------------------------------
 

@@ -9,9 +9,10 @@ import numpy as np
 import sqlalchemy as sa
 
 from orchestrator.buffer.service import Buffer
-from orchestrator.buffer.types import ClaimedEpisode, TrajectoryPayload
+from orchestrator.buffer.types import ClaimedEpisode
 from orchestrator.config import BufferConfig
 from orchestrator.db.engine import Database
+from orchestrator.domain import TrajectoryPayload
 from orchestrator.services.tasks import register_task
 
 

@@ -157,32 +157,27 @@ def test_fencing_rejects_stale_writes_and_changes_nothing(db: Database, engine: 
         buf.commit(c1.lease, 0, payload(0), 0.0)
 
 
-def test_commit_is_idempotent(db: Database, engine: sa.Engine) -> None:
-    add_tasks(db, {"name": "a", "group_size": 2})
+def test_commit_results_report_what_was_written(db: Database) -> None:
+    """What ``commit`` and ``commit_many`` report; the write rules behind them (no overwrite,
+    group completion, idempotent re-commit) are tested in test_sample_writes.py."""
+    add_tasks(db, {"name": "a", "group_size": 3})
     buf = make_buffer(db, batch_groups=1)
     buf.seed()
     w = buf.register_worker("r0")
     c = buf.claim(w.id)
     assert c is not None
-    p0 = payload(0, seed=10)
-    r1 = buf.commit(c.lease, 0, p0, 1.0)
+    r1 = buf.commit(c.lease, 0, payload(0), 1.0)
     assert (r1.committed, r1.already, r1.group_done) == ((0,), (), False)
-    r2 = buf.commit(c.lease, 0, payload(0, seed=11), 0.0)  # retried commit: no change
+    r2 = buf.commit(c.lease, 0, payload(0), 0.0)  # retried commit: no change
     assert (r2.committed, r2.already, r2.group_done) == ((), (0,), False)
-    r3 = buf.commit(c.lease, 1, payload(0), 0.5)
-    assert r3.group_done
-    r4 = buf.commit(c.lease, 1, payload(0), 0.5)  # retried after the group completed
-    assert (r4.committed, r4.already, r4.group_done) == ((), (1,), True)
-    stored = rows(
-        engine, "SELECT sample_index, reward, token_ids FROM trajectories ORDER BY sample_index"
-    )
-    assert [(s, r) for s, r, _ in stored] == [(0, 1.0), (1, 0.5)]
-    assert bytes(stored[0][2]) == p0.encoded()["token_ids"]
-    assert (
-        scalar(engine, "SELECT status::text FROM episodes WHERE id = :e", e=c.lease.episode_id)
-        == "done"
-    )
-    assert scalar(engine, "SELECT count(*) FROM trajectories") == 2
+    r3 = buf.commit_many(c.lease, [(0, payload(0), 1.0, None), (1, payload(0), 0.5, None)])
+    assert (r3.committed, r3.already, r3.group_done) == ((1,), (0,), False)
+    r4 = buf.commit_many(c.lease, [(1, payload(0), 0.5, None), (2, payload(0), 0.5, None)])
+    assert (r4.committed, r4.already, r4.group_done) == ((2,), (1,), True)
+    r5 = buf.commit_many(c.lease, [(0, payload(0), 1.0, None), (2, payload(0), 0.5, None)])
+    assert (r5.committed, r5.already, r5.group_done) == ((), (0, 2), True)  # after completion
+    r6 = buf.commit(c.lease, 1, payload(0), 0.5)
+    assert (r6.committed, r6.already, r6.group_done) == ((), (1,), True)
 
 
 def test_resume_hands_checkpoints_to_the_next_claimer(db: Database, engine: sa.Engine) -> None:

@@ -14,8 +14,8 @@ import pytest
 import sqlalchemy as sa
 
 from orchestrator.buffer.service import Buffer
-from orchestrator.buffer.types import TrajectoryPayload
 from orchestrator.db.engine import Database
+from orchestrator.domain import TrajectoryPayload
 from orchestrator.errors import ConflictError
 from orchestrator.quotas import batch_shares
 from orchestrator.services.tasks import change_status

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from orchestrator.algorithms import LossConfig, SeqMeanTokenMean, TruncatedIS
-from orchestrator.buffer.types import Batch, BatchGroup, BatchTrajectory, TrajectoryPayload
+from orchestrator.buffer.types import Batch
 from orchestrator.config import TrainerConfig
+from orchestrator.domain import BatchGroup, BatchTrajectory, TrajectoryPayload
 from workers.trainer.batch import StepPlan, plan_step
 from workers.trainer.group import TrainerGroup
 from workers.trainer.weights import WEIGHTS_FILE

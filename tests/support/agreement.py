@@ -17,8 +17,9 @@ from typing import Any
 import numpy as np
 
 from orchestrator.algorithms import LossConfig, TruncatedIS
-from orchestrator.buffer.types import Batch, BatchGroup, BatchTrajectory, TrajectoryPayload
+from orchestrator.buffer.types import Batch
 from orchestrator.config import TrainerConfig
+from orchestrator.domain import BatchGroup, BatchTrajectory, TrajectoryPayload
 from workers.rollout.engines.base import Engine, GenerationRequest
 from workers.trainer.batch import plan_step
 from workers.trainer.group import TrainerGroup

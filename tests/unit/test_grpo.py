@@ -367,7 +367,8 @@ def test_plan_step_marks_trajectories_of_the_trained_version_on_policy() -> None
     import numpy as np
 
     from orchestrator.algorithms import LossConfig
-    from orchestrator.buffer.types import Batch, BatchGroup, BatchTrajectory, TrajectoryPayload
+    from orchestrator.buffer.types import Batch
+    from orchestrator.domain import BatchGroup, BatchTrajectory, TrajectoryPayload
     from workers.trainer.batch import plan_step
 
     def traj(i: int, versions: list[int]) -> BatchTrajectory:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.buffer.types import TrajectoryPayload
+from orchestrator.domain import TrajectoryPayload
 from tasks.base import TaskPlugin, TaskSpec
 from workers.rollout.chat import Chat, chat_for
 from workers.rollout.engines.base import Engine, GenerationRequest

@@ -45,10 +45,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from orchestrator.buffer.service import Buffer
-from orchestrator.buffer.types import ClaimedEpisode, Lease, SampleState
+from orchestrator.buffer.types import ClaimedEpisode, Lease
 from orchestrator.config import BufferConfig, EngineConfig, HFEngineConfig
 from orchestrator.db.engine import open_database
-from orchestrator.domain import WorkerStatus
+from orchestrator.domain import SampleState, WorkerStatus
 from orchestrator.errors import StaleLeaseError
 from tasks import registry
 from tasks.base import TaskPlugin, TaskSpec

@@ -26,9 +26,9 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.expression import bindparam
 
-from orchestrator.buffer.types import BatchGroup, BatchTrajectory, TrajectoryPayload
 from orchestrator.db.models import Trajectory
 from orchestrator.db.notify import groups_channel
+from orchestrator.domain import BatchGroup, BatchTrajectory, TrajectoryPayload
 
 _BATCH_LOCK_NS = 0x524F4C4C  # "ROLL": namespace of the advisory lock per job
 

@@ -245,7 +245,7 @@ class EpisodeRepository:
     def lock_lease(self, episode_id: int, epoch: int) -> Any | None:
         """The episode row if the lease (id, epoch) is still current, locked ``FOR UPDATE``;
         else None. After waiting for a concurrent requeue the row is re-checked, so a moved-on
-        epoch is always seen. (One-sample writes fence inside ``rollcall_write_sample``.)"""
+        epoch is always seen. (Sample writes fence inside ``rollcall_write_sample``.)"""
         return (
             raw.cursor(self.session)
             .execute(
@@ -255,28 +255,6 @@ class EpisodeRepository:
             )
             .fetchone()
         )
-
-    def complete_if_whole(self, task_id: int, episode_id: int) -> bool:
-        """Mark the episode done when all ``group_size`` samples are committed (recording the
-        group's oldest policy version). Call with the episode locked ``FOR UPDATE``."""
-        row = (
-            raw.cursor(self.session)
-            .execute(
-                """
-            WITH prog AS (
-                SELECT count(*) AS n, min(min_policy_version) AS m FROM trajectories
-                WHERE task_id = %(t)s AND episode_id = %(e)s AND status = 'ready'
-            )
-            UPDATE episodes SET status = 'done', lease_owner = NULL, lease_expires_at = NULL,
-                   finished_at = now(), updated_at = now(), min_policy_version = prog.m
-            FROM prog WHERE episodes.id = %(e)s AND prog.n >= episodes.group_size
-            RETURNING episodes.id
-            """,
-                {"t": task_id, "e": episode_id},
-            )
-            .fetchone()
-        )
-        return row is not None
 
     def depth(self, job_id: int) -> dict[str, int]:
         rows = self.session.execute(
@@ -292,12 +270,6 @@ class EpisodeRepository:
             {"j": job_id},
         ).all()
         return {r[0]: int(r[1]) for r in rows}
-
-    def get_status(self, episode_id: int) -> Any | None:
-        return self.session.execute(
-            text("SELECT id, task_id, status, lease_epoch, group_size FROM episodes WHERE id = :e"),
-            {"e": episode_id},
-        ).one_or_none()
 
     # -- requeue and quarantine --------------------------------------------------------------
 
