@@ -455,7 +455,7 @@ class TrainerConfig(StrictModel):
         default=8192, description="packing budget: tokens per micro-batch"
     )
     mini_batches: Annotated[int, b.MINI_BATCHES.field()] = Field(
-        default=1, description="optimizer updates per step"
+        default=1, description="optimizer updates per step (PPO mini-batches)"
     )
     logprob_chunk_tokens: Annotated[int, b.tokens(0).field()] = Field(
         default=1024,

@@ -87,7 +87,8 @@ def register(
 
 @app.command()
 def plugins(json_out: JsonOpt = False) -> None:
-    """List the task plugins available (built-in and installed entry points)."""
+    """List the task plugins available (built-in and installed entry points), with their spec
+    schema."""
     from tasks import registry
 
     rows: list[dict[str, Any]] = []
