@@ -27,7 +27,9 @@ class GRPOAdvantage(_Strict):
     """(r - mean) / (std + eps), std with Bessel's correction (n - 1), as TRL and verl."""
 
     kind: Literal["grpo"] = "grpo"
-    eps: Annotated[float, b.EPS.field()] = 1e-6
+    eps: Annotated[float, b.EPS.field()] = Field(
+        default=1e-6, description="added to the group's standard deviation"
+    )
 
 
 class DrGRPOAdvantage(_Strict):
@@ -53,7 +55,9 @@ class TruncatedIS(_Strict):
     of the step; each token's PPO term is weighted by min(pi_old / pi_behaviour, cap)."""
 
     kind: Literal["tis"] = "tis"
-    cap: Annotated[float, b.IS_CAP.field()] = 2.0
+    cap: Annotated[float, b.IS_CAP.field()] = Field(
+        default=2.0, description="largest importance weight (larger ones are truncated to it)"
+    )
 
 
 class DecoupledPPO(_Strict):
@@ -63,7 +67,9 @@ class DecoupledPPO(_Strict):
     (weight 0) rather than truncated."""
 
     kind: Literal["decoupled"] = "decoupled"
-    cap: Annotated[float, b.IS_CAP.field()] | None = None
+    cap: Annotated[float, b.IS_CAP.field()] | None = Field(
+        default=None, description="tokens whose weight exceeds it are dropped; unset: none"
+    )
 
 
 Correction = Annotated[NoCorrection | TruncatedIS | DecoupledPPO, Field(discriminator="kind")]
@@ -90,7 +96,9 @@ class ConstantNormaliser(_Strict):
     sequence's length."""
 
     kind: Literal["constant"] = "constant"
-    max_tokens: Annotated[int, b.tokens(1).field()] = 4096
+    max_tokens: Annotated[int, b.tokens(1).field()] = Field(
+        default=4096, description="the constant token count every sequence is normalised by"
+    )
 
 
 Aggregation = Annotated[
@@ -102,24 +110,42 @@ class KLPenalty(_Strict):
     """KL(pi_theta || pi_ref) per token, added to the loss with ``coef``; 0: no reference model
     and no reference forward at all."""
 
-    coef: Annotated[float, b.COEF.field()] = 0.0
-    estimator: Literal["k1", "k3"] = "k3"
+    coef: Annotated[float, b.COEF.field()] = Field(
+        default=0.0, description="KL coefficient; 0: no reference forward at all"
+    )
+    estimator: Literal["k1", "k3"] = Field(
+        default="k3",
+        description="k1: log pi_theta - log pi_ref; k3: (rho - 1) - log rho, "
+        "rho = pi_ref / pi_theta (unbiased, never negative)",
+    )
 
 
 class LossConfig(_Strict):
     """The GRPO loss of a train step."""
 
-    advantage: AdvantageEstimator = Field(default_factory=GRPOAdvantage)
+    advantage: AdvantageEstimator = Field(
+        default_factory=GRPOAdvantage, description="the advantage estimator, by kind"
+    )
     filter_degenerate_groups: bool = Field(
         default=False,
         description="drop groups whose rewards are all equal (dynamic sampling); counted",
     )
-    clip_low: Annotated[float, b.CLIP_LOW.field()] = 0.2
-    clip_high: Annotated[float, b.CLIP_HIGH.field()] = 0.28
-    correction: Correction = Field(default_factory=TruncatedIS)
-    aggregation: Aggregation = Field(default_factory=TokenMean)
-    kl: KLPenalty = Field(default_factory=KLPenalty)
-    entropy_coef: Annotated[float, b.COEF.field()] = 0.0
+    clip_low: Annotated[float, b.CLIP_LOW.field()] = Field(
+        default=0.2, description="the PPO ratio clip below 1 (1 - clip_low)"
+    )
+    clip_high: Annotated[float, b.CLIP_HIGH.field()] = Field(
+        default=0.28, description="the PPO ratio clip above 1 (1 + clip_high; clip-higher)"
+    )
+    correction: Correction = Field(
+        default_factory=TruncatedIS, description="the off-policy correction, by kind"
+    )
+    aggregation: Aggregation = Field(
+        default_factory=TokenMean, description="how token losses are weighed, by kind"
+    )
+    kl: KLPenalty = Field(default_factory=KLPenalty, description="KL penalty to the reference")
+    entropy_coef: Annotated[float, b.COEF.field()] = Field(
+        default=0.0, description="entropy bonus coefficient"
+    )
     temperature: Annotated[float, b.TEMPERATURE.field()] = Field(
         default=1.0, description="the rollout sampling temperature; log-probs use it too"
     )

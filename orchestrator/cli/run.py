@@ -33,7 +33,13 @@ def run(
     ] = True,
     json_out: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
-    """Run a job: rollout nodes and the trainer on Ray, the buffer in PostgreSQL."""
+    """Run a job: rollout nodes and the trainer on Ray, the buffer in PostgreSQL.
+
+    Runs the job to run.total_steps. The schema must be at head (rollcall db upgrade). A job
+    that already trained refuses to start again without --resume, which continues it from its
+    last committed step; a job another driver is running is refused (one driver per job). The
+    run directory (run.dir, default ROLLCALL_HOME/runs/JOB) holds config.yaml, metrics.jsonl,
+    learning_curve.png, weights/, checkpoints/, final/ and driver.log."""
     from orchestrator.config import load_config
 
     cfg = load_config(config, overrides or [])

@@ -136,7 +136,10 @@ def status(
     json_out: JsonOpt = False,
 ) -> None:
     """A job at a glance: progress, tasks with quotas and live mix, nodes with heartbeat age
-    and restarts, buffer depth, recent events. With --watch --json, one JSON object per line."""
+    and restarts, buffer depth, recent events. With --watch --json, one JSON object per line.
+
+    Also the trainer's busy fraction and each task's in-flight episodes and staleness. Reads the
+    database only, so it works from any machine that reaches it, during the job or after."""
     from orchestrator import bounds
     from orchestrator.db.retry import is_transient
     from orchestrator.services.status import status_document
@@ -195,7 +198,9 @@ def worker_list(
     json_out: JsonOpt = False,
 ) -> None:
     """Rollout nodes and trainer ranks: status, served version, heartbeat age (database
-    clock), restarts, host and Ray node."""
+    clock), restarts, host and Ray node.
+
+    Also the progress age (database clock); --all lists every incarnation of each slot."""
     from orchestrator.services.status import workers
 
     db = open_db(ctx)
@@ -215,7 +220,11 @@ def worker_list(
 @buffer_app.command("stats")
 def buffer_stats(ctx: typer.Context, job: JobOpt = None, json_out: JsonOpt = False) -> None:
     """Episodes and samples by state per task, in-flight vs cap, staleness of the waiting and
-    of the trained groups, and the buffer's counters."""
+    of the trained groups, and the buffer's counters.
+
+    Per task: the oldest waiting group's staleness and age, the trained-staleness histogram,
+    and the counters (fenced rejections, expired groups, quarantined episodes, requeued
+    leases)."""
     from orchestrator.services.status import EPISODE_STATES, buffer_stats
 
     db = open_db(ctx)

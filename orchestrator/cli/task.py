@@ -55,7 +55,10 @@ def register(
         typer.Option("--spec", help="YAML file with the plugin's task spec.", show_default=False),
     ] = None,
 ) -> None:
-    """Register a task into a job (creates its trajectory partition)."""
+    """Register a task into a job (creates its trajectory partition).
+
+    Defaults: weight 1, max-inflight 8, max-staleness 2, job default. A quota that would leave
+    the job's batch unfillable under the config the job was created with is refused."""
     from orchestrator.services.tasks import register_task, resolve_plugin, validate_quota
 
     # Reject bad input before touching the database at all.
@@ -84,7 +87,8 @@ def register(
 
 @app.command()
 def plugins(json_out: JsonOpt = False) -> None:
-    """List the task plugins available (built-in and installed entry points)."""
+    """List the task plugins available (built-in and installed entry points), with their spec
+    schema."""
     from tasks import registry
 
     rows: list[dict[str, Any]] = []
@@ -141,7 +145,10 @@ def list_(ctx: typer.Context, job: JobOpt = "default", json_out: JsonOpt = False
 def show(
     ctx: typer.Context, name: NameArg, job: JobOpt = "default", json_out: JsonOpt = False
 ) -> None:
-    """Show a task: quota, spec, work by status, recent events."""
+    """Show a task: quota, spec, work by status, recent events.
+
+    Its episodes and trajectories by status, and its counters (fenced rejections, expired
+    groups, quarantined episodes, requeued leases)."""
     from orchestrator.services.tasks import require_task
 
     db = open_db(ctx)
@@ -259,7 +266,11 @@ def retire(
     job: JobOpt = "default",
     yes: Annotated[bool, typer.Option("--yes", help="Confirm: retiring cannot be undone.")] = False,
 ) -> None:
-    """Retire a drained task and detach its trajectory partition (rows are kept)."""
+    """Retire a drained task and detach its trajectory partition (rows are kept).
+
+    Only a task with no queued or leased episodes and no groups reserved by an uncommitted
+    step: finished groups never trained are expired, the partition is detached (its rows kept
+    in trajectories_tN, N the task's id) and the task's name becomes free."""
     from orchestrator.services.tasks import check_retire_confirmed, retire_task
 
     check_retire_confirmed(name, yes)

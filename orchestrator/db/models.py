@@ -1,4 +1,4 @@
-"""SQLAlchemy models of the control plane (the data model of ARCHITECTURE.md).
+"""SQLAlchemy models of the control plane (the data model of docs/architecture.md).
 
 - Statuses are PostgreSQL enum types; quotas carry CHECK constraints, so the database itself
   refuses values the CLI would refuse.

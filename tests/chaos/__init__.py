@@ -1,2 +1,2 @@
 """Fault-injection tests (SIGKILL, hangs, database restarts) that check the invariants of
-ARCHITECTURE.md against the database afterwards."""
+docs/architecture.md against the database afterwards."""

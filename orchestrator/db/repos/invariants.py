@@ -1,5 +1,6 @@
 """The queries of the invariant checker: each returns the rows that violate one invariant of
-ARCHITECTURE.md for a job (at most ``limit``), so an empty result means the invariant holds."""
+docs/architecture.md for a job (at most ``limit``), so an empty result means the invariant
+holds."""
 
 from __future__ import annotations
 
