@@ -29,7 +29,9 @@ from tests.support.waiting import wait_for
 pytestmark = pytest.mark.timeout(420)
 
 
-def _config(tmp: Path, model: Path, steps: int, nodes: int = 2, **rollout: Any) -> RollcallConfig:
+def _config(
+    tmp: Path, model: Path, steps: int, nodes: int = 2, max_staleness: int = 2, **rollout: Any
+) -> RollcallConfig:
     return RollcallConfig.model_validate(
         {
             "job": {"name": "chaos"},
@@ -65,7 +67,7 @@ def _config(tmp: Path, model: Path, steps: int, nodes: int = 2, **rollout: Any) 
                     "plugin": "calculator",
                     "weight": 1,
                     "max_inflight": 4,
-                    "max_staleness": 2,
+                    "max_staleness": max_staleness,
                     "spec": {"group_size": 2, "max_turns": 3},
                 },
                 {
@@ -73,7 +75,7 @@ def _config(tmp: Path, model: Path, steps: int, nodes: int = 2, **rollout: Any) 
                     "plugin": "guess",
                     "weight": 1,
                     "max_inflight": 4,
-                    "max_staleness": 2,
+                    "max_staleness": max_staleness,
                     "spec": {"group_size": 2, "max_guesses": 4},
                 },
             ],
@@ -129,7 +131,11 @@ def _assert_nothing_lost(db: Database, engine: sa.Engine, steps: int) -> None:
 def test_rollout_nodes_killed_and_hung_lose_nothing(
     ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:
-    cfg = _config(tmp_path, tiny_dir, steps=1000)  # a ceiling: stopped after the fault
+    # a ceiling: stopped after the fault. The bound is the widest: the tiny trainer takes a few
+    # steps a second, and a resumed episode whose checkpointed turns fell out of a bound of 2
+    # during the recovery is expired (its prompt queued again), never finished: the likely cause
+    # of one CI failure (not reproduced here, twice, idle and beside three busy loops).
+    cfg = _config(tmp_path, tiny_dir, steps=1000, max_staleness=1000)
     driver = _driver(cfg, db, tiny_dir, tmp_path)
     seen: dict[str, Any] = {}
 
@@ -193,7 +199,16 @@ def test_rollout_nodes_killed_and_hung_lose_nothing(
                 w=other[0],
             ),
         )
-        wait_for("a requeued episode finished", lambda: scalar(engine, requeued_and_done))
+        wait_for(
+            "a requeued episode finished",
+            lambda: scalar(engine, requeued_and_done),
+            detail=lambda: rows(
+                engine,
+                "SELECT e.status, e.attempts, count(*), min(e.min_policy_version), "
+                "max(j.policy_version) FROM episodes e JOIN jobs j ON j.id = e.job_id "
+                "WHERE e.attempts >= 2 OR e.status = 'expired' GROUP BY 1, 2 ORDER BY 1, 2",
+            ),
+        )
 
     requeued_and_done = "SELECT count(*) FROM episodes WHERE attempts >= 2 AND status = 'done'"
     result = _run_with(driver, fault, stop_after_fault=True)
