@@ -212,9 +212,14 @@ def worker_list(
     if json_out:
         print_json(doc)
         return
-    out = console()
-    out.print(f"job {doc['job']}", markup=False)
-    out.print(_nodes_table(doc["workers"], incarnations=all_))
+    console().print(render_workers(doc, incarnations=all_))
+
+
+def render_workers(doc: dict[str, Any], *, incarnations: bool = False) -> Any:
+    from rich.console import Group
+    from rich.text import Text
+
+    return Group(Text(f"job {doc['job']}"), _nodes_table(doc["workers"], incarnations=incarnations))
 
 
 @buffer_app.command("stats")
@@ -225,7 +230,7 @@ def buffer_stats(ctx: typer.Context, job: JobOpt = None, json_out: JsonOpt = Fal
     Per task: the oldest waiting group's staleness and age, the trained-staleness histogram,
     and the counters (fenced rejections, expired groups, quarantined episodes, requeued
     leases)."""
-    from orchestrator.services.status import EPISODE_STATES, buffer_stats
+    from orchestrator.services.status import buffer_stats
 
     db = open_db(ctx)
     try:
@@ -236,8 +241,16 @@ def buffer_stats(ctx: typer.Context, job: JobOpt = None, json_out: JsonOpt = Fal
     if json_out:
         print_json(doc)
         return
-    out = console()
-    out.print(f"job {doc['job']}: policy version {doc['policy_version']}", markup=False)
+    console().print(render_buffer(doc))
+
+
+def render_buffer(doc: dict[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.text import Text
+
+    from orchestrator.services.status import EPISODE_STATES
+
+    head = Text(f"job {doc['job']}: policy version {doc['policy_version']}")
     t = make_table(
         "task",
         *EPISODE_STATES,
@@ -262,7 +275,7 @@ def buffer_stats(ctx: typer.Context, job: JobOpt = None, json_out: JsonOpt = Fal
             str(task["counters"]["requeued_leases"]),
         )
     t.add_row("total", *(str(doc["total"][s]) for s in EPISODE_STATES), "", "", "", "", "")
-    out.print(t)
+    return Group(head, t)
 
 
 def events(
@@ -308,7 +321,11 @@ def events(
     if json_out:
         print_json(rows)
         return
+    console().print(render_events(rows))
+
+
+def render_events(rows: list[dict[str, Any]]) -> Any:
     t = make_table("time", "kind", "actor", "message")
     for e in rows:
         t.add_row(e["created_at"][:19].replace("T", " "), e["kind"], e["actor"], e["message"])
-    console().print(t)
+    return t
