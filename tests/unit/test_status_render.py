@@ -71,7 +71,7 @@ def node(
 
 NODES = [
     node("rollout-0", "rollout", "alive", "gpu-node-17.cluster.internal", restarts=2),
-    node("rollout-1", "rollout", "restarting", "gpu-node-18.cluster.internal", version=None),
+    node("rollout-1", "rollout", "starting", "gpu-node-18.cluster.internal", version=None),
     node("rollout-12", "rollout", "alive", "gpu-node-23.cluster.internal"),
     node("trainer-0", "trainer", "alive", "gpu-node-01.cluster.internal"),
     node("trainer-7", "trainer", "alive", "gpu-node-02.cluster.internal"),
@@ -188,12 +188,14 @@ def test_status_fits_80_columns_one_line_per_row() -> None:
     line_with(lines, "1234/10000")
     for t in TASKS:
         reward = "-" if t["reward"] is None else f"{t['reward']:.3f}"
-        line_with(lines, t["name"], t["status"], reward, "96/128")
+        # a name too long for its column is cut with an ellipsis, on the row's line
+        line_with(lines, t["name"][:14], t["status"], reward, "96/128")
     for n in NODES:
         line_with(lines, n["name"], n["status"])
     for e in EVENTS:
         line_with(lines, e["created_at"][11:19], e["kind"], e["message"][:20])
-    line_with(lines, "queued 3600")
+    line_with(lines, "queued 3600", "leased 288")
+    line_with(lines, "quarantined 0")
 
 
 def test_worker_list_fits_80_columns_one_line_per_row() -> None:
@@ -217,7 +219,7 @@ def test_worker_list_fits_80_columns_one_line_per_row() -> None:
 
 
 def test_buffer_stats_fit_80_columns_one_line_per_row() -> None:
-    doc = {
+    doc: dict[str, Any] = {
         "job": "smollm2-vllm",
         "policy_version": 1234,
         "total": episodes(queued=3600, leased=288, ready=192, consumed=30720, expired=51),
@@ -241,8 +243,9 @@ def test_buffer_stats_fit_80_columns_one_line_per_row() -> None:
     }
     lines = render(cli_status.render_buffer(doc))
     check_width(lines)
-    for t in doc["tasks"]:
-        line_with(lines, t["name"], "1200", "10240", "96/128")
+    for t in doc["tasks"]:  # episodes by state, then in flight, staleness and counters
+        line_with(lines, t["name"][:14], "1200", "96", "64", "10240", "17")
+        line_with(lines, t["name"][:14], "96/128", "2 versions, 58m", "0.36 (bound 4)")
     line_with(lines, "total", "3600", "30720")
 
 
