@@ -71,6 +71,43 @@ def table(*headers: str) -> Any:
     return t
 
 
+def col(header: str, *, right: bool = False, flex: bool = False) -> Any:
+    """A column of ``compact_table``: numbers are ``right``-aligned; a ``flex`` column (names,
+    hosts, messages) is the one narrowed, with an ellipsis, when the table is too wide."""
+    from rich.table import Column
+
+    return Column(
+        header,
+        justify="right" if right else "left",
+        no_wrap=not flex,  # only flex columns are narrowed before the others
+        overflow="ellipsis",
+    )
+
+
+def compact_table(*columns: Any) -> Any:
+    """A rich table for an 80-column terminal: one line per row, a rule under the header, one
+    space between columns. Add rows with ``one_line``; the ``--json`` output has every value
+    whole."""
+    from rich import box
+    from rich.table import Table
+
+    return Table(
+        *(col(c) if isinstance(c, str) else c for c in columns),
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        padding=0,
+        header_style="bold",
+    )
+
+
+def one_line(*cells: str) -> list[Any]:
+    """The cells of a ``compact_table`` row, each cut with an ellipsis rather than wrapped."""
+    from rich.text import Text
+
+    return [Text(c, no_wrap=True, overflow="ellipsis") for c in cells]
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
     sys.stdout.flush()

@@ -12,8 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from orchestrator.cli.common import console, open_db, print_json
-from orchestrator.cli.common import table as make_table
+from orchestrator.cli.common import col, compact_table, console, one_line, open_db, print_json
 
 JobOpt = Annotated[
     str | None,
@@ -45,6 +44,7 @@ def _pct(x: float | None) -> str:
 
 
 def render_status(doc: dict[str, Any]) -> Any:
+    """What ``rollcall status`` prints: each line and table row fits an 80-column terminal."""
     from rich.console import Group
     from rich.text import Text
 
@@ -52,71 +52,121 @@ def render_status(doc: dict[str, Any]) -> Any:
     total = f"/{j['total_steps']}" if j["total_steps"] else ""
     state = j["status"]
     if state in ("running", "stopping") and not j["driver"]["alive"]:
-        state += " (no live driver: continue with --resume)"
-    head = Text.assemble(
-        (f"job {j['name']} ", "bold"),
-        f"({j['mode'] or '-'}) {state}  "
-        f"step {j['steps']}{total}  policy version {j['policy_version']}  "
-        f"weights v{j['weights_version'] if j['weights_version'] is not None else '-'}  "
-        f"last step {_age(j['last_step_age_s'])} ago  trainer busy {_pct(tr['busy_ratio'])}",
-    )
-    parts: list[Any] = [head]
+        state += ", no live driver (continue with --resume)"
+    weights = j["weights_version"] if j["weights_version"] is not None else "-"
+    last = "" if j["last_step_age_s"] is None else f" (last {_age(j['last_step_age_s'])} ago)"
+    parts: list[Any] = [
+        Text.assemble((f"job {j['name']} ", "bold"), f"({j['mode'] or '-'}) {state}"),
+        Text(
+            f"step {j['steps']}{total}{last}  "
+            f"policy v{j['policy_version']}  weights v{weights}  "
+            f"trainer busy {_pct(tr['busy_ratio'])}"
+        ),
+    ]
     if j["metrics_url"]:
         parts.append(Text(f"metrics: {j['metrics_url']}"))
-    tasks = make_table(
-        "task",
+    tasks = compact_table(
+        col("task", flex=True),
         "status",
-        "weight",
-        "quota",
-        "mix",
-        "in flight",
-        "stale/bound",
-        "reward",
-        "trained",
-        "expired",
-        "quarantined",
+        col("weight", right=True),
+        col("quota", right=True),
+        col("mix", right=True),
+        col("flight", right=True),
+        col("stale", right=True),
+        col("reward", right=True),
+        col("trained", right=True),
+        col("exp", right=True),
+        col("quar", right=True),
     )
     for t in doc["tasks"]:
         tasks.add_row(
-            t["name"],
-            t["status"],
-            f"{t['weight']:g}",
-            _pct(t["quota_share"]),
-            _pct(t["mix_share"]),
-            f"{t['inflight']}/{t['max_inflight']}",
-            f"{t['ready_staleness']}/{t['max_staleness']}",
-            "-" if t["reward"] is None else f"{t['reward']:.3f}",
-            str(t["trained_samples"]),
-            str(t["counters"]["expired_groups"]),
-            str(t["counters"]["quarantined_episodes"]),
+            *one_line(
+                t["name"],
+                t["status"],
+                f"{t['weight']:g}",
+                _pct(t["quota_share"]),
+                _pct(t["mix_share"]),
+                f"{t['inflight']}/{t['max_inflight']}",
+                f"{t['ready_staleness']}/{t['max_staleness']}",
+                "-" if t["reward"] is None else f"{t['reward']:.3f}",
+                str(t["trained_samples"]),
+                str(t["counters"]["expired_groups"]),
+                str(t["counters"]["quarantined_episodes"]),
+            )
         )
+    parts.append(Text(""))
     parts.append(tasks if doc["tasks"] else Text("tasks: none registered"))
+    parts.append(Text(""))
     parts.append(_nodes_table(doc["nodes"]) if doc["nodes"] else Text("workers: none yet"))
-    depth = "  ".join(f"{k} {v}" for k, v in doc["buffer"].items())
-    parts.append(Text(f"buffer (episodes): {depth}"))
+    parts.append(Text(""))
+    parts.extend(_pack("buffer (episodes):", [f"{k} {v}" for k, v in doc["buffer"].items()]))
     if doc["recent_events"]:
-        events = make_table("time", "kind", "message")
+        events = compact_table("time", "kind", col("message", flex=True))
         for e in doc["recent_events"]:
-            events.add_row(e["created_at"][11:19], e["kind"], e["message"])
+            events.add_row(*one_line(e["created_at"][11:19], e["kind"], e["message"]))
+        parts.append(Text(""))
         parts.append(events)
     return Group(*parts)
 
 
-def _nodes_table(nodes: list[dict[str, Any]], *, incarnations: bool = False) -> Any:
-    cols = ["worker", "role", "status", "version", "heartbeat", "progress", "restarts", "host"]
-    t = make_table(*(["id", *cols, "started"] if incarnations else cols))
+def _pack(label: str, items: list[str], width: int = 80) -> list[Any]:
+    """``label`` and ``items`` two spaces apart, on as many lines of at most ``width`` columns
+    as they need, the later lines indented under the first item."""
+    from rich.text import Text
+
+    lines: list[str] = []
+    line, sep = label, " "
+    for item in items:
+        if len(line) + len(sep) + len(item) > width and sep != " ":
+            lines.append(line)
+            line, sep = " " * len(label), " "
+        line += sep + item
+        sep = "  "
+    return [Text(x) for x in [*lines, line]]
+
+
+def _when(iso: str | None) -> str:
+    """``2026-12-02T15:01:07.123+00:00`` as ``12-02 15:01:07``."""
+    return "-" if iso is None else iso[5:19].replace("T", " ")
+
+
+def _nodes_table(
+    nodes: list[dict[str, Any]], *, ray_node: bool = False, incarnations: bool = False
+) -> Any:
+    """Workers, one line each. A worker's name carries its role (rollout-N, trainer-N); the
+    heartbeat and progress ages are in seconds/minutes/hours ago (database clock). With
+    ``ray_node``, the first 8 characters of the Ray node id; with ``incarnations``, each
+    incarnation's id and start and stop instead of the ages."""
+    cols: list[Any] = ["worker", "status", col("ver", right=True)]
+    if incarnations:
+        cols = [col("id", right=True), *cols, col("restarts", right=True), "started", "stopped"]
+    else:
+        cols += [col("beat", right=True), col("progress", right=True), col("restarts", right=True)]
+    cols.append(col("host", flex=True))
+    if ray_node:
+        cols.append("node")
+    t = compact_table(*cols)
     for n in nodes:
         row = [
             n["name"],
-            n["role"],
             n["status"],
             "-" if n["loaded_version"] is None else str(n["loaded_version"]),
-            _age(n["heartbeat_age_s"]) + " ago",
-            _age(n["progress_age_s"]) + " ago" if n["role"] == "rollout" else "-",
-            str(n["restarts"]),
-            f"{n['host'] or '-'} ({(n['node_id'] or '-')[:12]})",
         ]
-        t.add_row(*([str(n["id"]), *row, n["started_at"][:19]] if incarnations else row))
+        if incarnations:
+            row = [
+                str(n["id"]),
+                *row,
+                str(n["restarts"]),
+                _when(n["started_at"]),
+                _when(n["stopped_at"]),
+            ]
+        else:
+            progress = _age(n["progress_age_s"]) if n["role"] == "rollout" else "-"
+            row += [_age(n["heartbeat_age_s"]), progress, str(n["restarts"])]
+        row.append(n["host"] or "-")
+        if ray_node:
+            row.append((n["node_id"] or "-")[:8])
+        t.add_row(*one_line(*row))
     return t
 
 
@@ -212,9 +262,17 @@ def worker_list(
     if json_out:
         print_json(doc)
         return
-    out = console()
-    out.print(f"job {doc['job']}", markup=False)
-    out.print(_nodes_table(doc["workers"], incarnations=all_))
+    console().print(render_workers(doc, incarnations=all_))
+
+
+def render_workers(doc: dict[str, Any], *, incarnations: bool = False) -> Any:
+    from rich.console import Group
+    from rich.text import Text
+
+    return Group(
+        Text(f"job {doc['job']}"),
+        _nodes_table(doc["workers"], ray_node=not incarnations, incarnations=incarnations),
+    )
 
 
 @buffer_app.command("stats")
@@ -225,7 +283,7 @@ def buffer_stats(ctx: typer.Context, job: JobOpt = None, json_out: JsonOpt = Fal
     Per task: the oldest waiting group's staleness and age, the trained-staleness histogram,
     and the counters (fenced rejections, expired groups, quarantined episodes, requeued
     leases)."""
-    from orchestrator.services.status import EPISODE_STATES, buffer_stats
+    from orchestrator.services.status import buffer_stats
 
     db = open_db(ctx)
     try:
@@ -236,33 +294,51 @@ def buffer_stats(ctx: typer.Context, job: JobOpt = None, json_out: JsonOpt = Fal
     if json_out:
         print_json(doc)
         return
-    out = console()
-    out.print(f"job {doc['job']}: policy version {doc['policy_version']}", markup=False)
-    t = make_table(
-        "task",
-        *EPISODE_STATES,
-        "in flight",
-        "oldest ready",
-        "trained staleness mean",
-        "fenced",
-        "requeued",
+    console().print(render_buffer(doc))
+
+
+def render_buffer(doc: dict[str, Any]) -> Any:
+    """Two tables, one line per task in each: episodes by state; then in flight, the oldest
+    waiting group (versions behind, age), the trained groups' mean staleness and counters."""
+    from rich.console import Group
+    from rich.text import Text
+
+    from orchestrator.services.status import EPISODE_STATES
+
+    states = compact_table(col("task", flex=True), *(col(s, right=True) for s in EPISODE_STATES))
+    flow = compact_table(
+        col("task", flex=True),
+        col("in flight", right=True),
+        col("oldest ready", right=True),
+        col("trained staleness", right=True),
+        col("fenced", right=True),
+        col("requeued", right=True),
     )
     for task in doc["tasks"]:
         e = task["episodes"]
         mean = task["trained_staleness_mean"]
-        t.add_row(
-            task["name"],
-            *(str(e[s]) for s in EPISODE_STATES),
-            f"{task['inflight']}/{task['max_inflight']}",
-            f"{task['ready_staleness']} versions, {_age(task['ready_age_s'])}"
-            if e["ready"]
-            else "-",
-            "-" if mean is None else f"{mean:.2f} (bound {task['max_staleness']})",
-            str(task["counters"]["fenced_rejections"]),
-            str(task["counters"]["requeued_leases"]),
+        states.add_row(*one_line(task["name"], *(str(e[s]) for s in EPISODE_STATES)))
+        flow.add_row(
+            *one_line(
+                task["name"],
+                f"{task['inflight']}/{task['max_inflight']}",
+                f"{task['ready_staleness']} versions, {_age(task['ready_age_s'])}"
+                if e["ready"]
+                else "-",
+                "-" if mean is None else f"{mean:.2f} (bound {task['max_staleness']})",
+                str(task["counters"]["fenced_rejections"]),
+                str(task["counters"]["requeued_leases"]),
+            )
         )
-    t.add_row("total", *(str(doc["total"][s]) for s in EPISODE_STATES), "", "", "", "", "")
-    out.print(t)
+    states.add_row(*one_line("total", *(str(doc["total"][s]) for s in EPISODE_STATES)))
+    return Group(
+        Text(f"job {doc['job']}: policy version {doc['policy_version']}"),
+        Text(""),
+        Text("episodes by state"),
+        states,
+        Text(""),
+        flow,
+    )
 
 
 def events(
@@ -308,7 +384,11 @@ def events(
     if json_out:
         print_json(rows)
         return
-    t = make_table("time", "kind", "actor", "message")
+    console().print(render_events(rows))
+
+
+def render_events(rows: list[dict[str, Any]]) -> Any:
+    t = compact_table("time", "kind", "actor", col("message", flex=True))
     for e in rows:
-        t.add_row(e["created_at"][:19].replace("T", " "), e["kind"], e["actor"], e["message"])
-    console().print(t)
+        t.add_row(*one_line(_when(e["created_at"]), e["kind"], e["actor"], e["message"]))
+    return t

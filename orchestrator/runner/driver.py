@@ -63,6 +63,13 @@ NODE_STOP_TIMEOUT_S = 60.0
 # A control-plane run that starts late (a loaded machine) still runs unless it is this late
 # (the process was frozen): then it is dropped, logged to driver.log and counted.
 MISFIRE_GRACE_S = 60
+# Every control-plane job: runs that piled up while the process was busy run once, not in a
+# burst (coalesce); a pass is skipped while the previous one of the same job still runs.
+SCHEDULER_JOB_DEFAULTS = {
+    "misfire_grace_time": MISFIRE_GRACE_S,
+    "coalesce": True,
+    "max_instances": 1,
+}
 
 
 @dataclass
@@ -179,6 +186,9 @@ class JobDriver:
         self._recover_previous_run()  # only now that this driver holds the job
         self.run_dir = RunDir(Path(cfg.run.dir) if cfg.run.dir else self.home / "runs" / job.name)
         self.run_dir.write_config(cfg.model_dump(mode="json"))
+        # From here on (Ray's start, the trainer's, the nodes', the scheduler's), what libraries
+        # log or warn goes to the run directory's driver.log, not the user's terminal.
+        self._release_logs = self.run_dir.capture_logs()
         self._start_ray()
         self._start_trainer()
         self._start_nodes()
@@ -200,14 +210,21 @@ class JobDriver:
     def _start_ray(self) -> None:
         import ray
 
+        started = not ray.is_initialized()
         if not ray.is_initialized() and self.cfg.ray.address:
-            ray.init(address=self.cfg.ray.address, log_to_driver=False)
+            # the actors' output stays in Ray's session logs; Ray's own log records go to
+            # driver.log (configure_logging=False: no handler of Ray's on the terminal)
+            ray.init(address=self.cfg.ray.address, log_to_driver=False, configure_logging=False)
         elif not ray.is_initialized():
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             # Ray starts its workers at niceness 15 by default: beside ordinary work (nice 0)
             # on a busy machine the job's own actors would get next to no CPU, and heartbeats,
             # starts and steps would stall. The job is the machine's work: run them at 0.
             os.environ.setdefault("RAY_worker_niceness", "0")
+            # log_to_driver=False: the actors' stdout and stderr stay in Ray's session logs
+            # (/tmp/ray/session_*/logs); their errors reach the driver as exceptions of the
+            # calls. The raylet's own error messages ("(raylet) A worker died ...") are printed
+            # whatever the options (ray._private.worker.listen_error_messages, Ray 2.x).
             ray.init(
                 address="local",  # a new local Ray, never one left behind by `ray start`
                 num_cpus=self.cfg.ray.num_cpus,
@@ -216,6 +233,11 @@ class JobDriver:
                 configure_logging=False,
             )
             self.started_ray = True
+        if started:
+            # Ray's logger does not propagate, and with configure_logging=False it has no
+            # handler: Python's last resort would print its warnings on the terminal. Up to the
+            # root logger they go to driver.log (RunDir.capture_logs).
+            logging.getLogger("ray").propagate = True
         self._reserve()
 
     def _reserve(self) -> None:
@@ -472,15 +494,15 @@ class JobDriver:
         from orchestrator.runner.metrics import MissedRuns
 
         cp = self.cfg.control_plane
-        # From here on, what libraries log (APScheduler's missed runs, the retries of a
-        # database outage) goes to the run directory's driver.log, not the user's terminal.
+        # What libraries log (APScheduler's missed runs, the retries of a database outage)
+        # goes to the run directory's driver.log, not the user's terminal (set up by setup()).
         if self._release_logs is None:
             self._release_logs = self.run_dir.capture_logs()
         # A pass that overlaps the previous one of the same job is skipped by design
         # (max_instances=1: e.g. supervision while a node starts); APScheduler warns about
         # each skip, which is noise here.
         logging.getLogger("apscheduler.scheduler").addFilter(SKIPPED_RUN_FILTER)  # once
-        s = BackgroundScheduler(daemon=True, job_defaults={"misfire_grace_time": MISFIRE_GRACE_S})
+        s = BackgroundScheduler(daemon=True, job_defaults=SCHEDULER_JOB_DEFAULTS)
         self.missed_runs = MissedRuns(s)
         # The control plane's calls see database outages: each one becomes an event and a
         # line once the database is back.
@@ -494,7 +516,7 @@ class JobDriver:
             (self._supervise, cp.supervise_interval_s, "supervise"),
         ]
         for fn, every, name in jobs:
-            s.add_job(fn, "interval", seconds=every, id=name, max_instances=1, coalesce=True)
+            s.add_job(fn, "interval", seconds=every, id=name)
         s.start()
         self.scheduler = s
         self.buffer.seed()

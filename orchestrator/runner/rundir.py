@@ -17,9 +17,10 @@ import shutil
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import yaml
 
@@ -41,8 +42,10 @@ class RunDir:
     def capture_logs(self) -> Callable[[], None]:
         """Send this process's log records to ``driver.log`` instead of the terminal (where
         Python prints warnings when no handler is set up: APScheduler's missed runs, the
-        retry layer's retries); an error still shows on stderr as one line naming the log.
-        Returns the function that undoes it."""
+        retry layer's retries), and Python's warnings too (``warnings.warn``: a library's
+        FutureWarning or DeprecationWarning, as ``logging.captureWarnings`` logs them, under
+        ``py.warnings``); an error still shows on stderr as one line naming the log. Returns
+        the function that undoes it (warnings print as before again)."""
         root = logging.getLogger()
         to_file = logging.FileHandler(self.log_path, encoding="utf-8", delay=True)
         to_file.setFormatter(
@@ -51,8 +54,27 @@ class RunDir:
         errors = _ErrorLine(self.log_path)
         root.addHandler(to_file)
         root.addHandler(errors)
+        shown = warnings.showwarning  # what prints a warning now, put back by release()
+
+        def to_log(
+            message: Warning | str,
+            category: type[Warning],
+            filename: str,
+            lineno: int,
+            file: TextIO | None = None,
+            line: str | None = None,
+        ) -> None:
+            if file is not None:  # written to a file on purpose: as before
+                shown(message, category, filename, lineno, file, line)
+                return
+            text = warnings.formatwarning(message, category, filename, lineno, line)
+            logging.getLogger("py.warnings").warning("%s", text.rstrip())
+
+        warnings.showwarning = to_log
 
         def release() -> None:
+            if warnings.showwarning is to_log:  # not replaced since by someone else
+                warnings.showwarning = shown
             for h in (to_file, errors):
                 root.removeHandler(h)
             to_file.close()
