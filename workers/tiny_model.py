@@ -8,7 +8,12 @@ so any transformers user can load them. Deterministic for a seed.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +143,61 @@ def build_tiny(
     tokenizer.save_pretrained(out)
     model.save_pretrained(out)
     return out
+
+
+# The tiny model that ``rollcall model init`` builds with its defaults, shipped with the package
+# so that a first run starts training at once; ``python ops/tiny_model.py`` rebuilds it (and
+# ``--check`` compares a rebuild with it, byte for byte).
+SHIPPED = Path(__file__).parent / "models" / "tiny"
+BUILD_FILE = "BUILD.json"
+
+
+@contextmanager
+def deterministic_build() -> Iterator[None]:
+    """One thread and deterministic kernels while a model is built: the same seed gives the
+    same bytes on every machine of this kind (a thread count changes how sums are split)."""
+    import torch
+
+    threads, strict = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(strict)
+        torch.set_num_threads(threads)
+
+
+def file_digests(folder: Path) -> dict[str, str]:
+    """sha256 of every file of a model folder but ``BUILD.json``, by name."""
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != BUILD_FILE
+    }
+
+
+def shipped_build() -> dict[str, Any] | None:
+    """The shipped model's build record (how it was built, its files' digests, its starting
+    rewards), or None when this installation carries no shipped model."""
+    record = SHIPPED / BUILD_FILE
+    return json.loads(record.read_text()) if record.exists() else None
+
+
+def install_shipped(path: Path) -> Path:
+    """Copy the shipped tiny model to ``path`` (written aside and renamed, so a crash leaves
+    nothing half-written), after checking each file against its recorded digest."""
+    build = shipped_build()
+    if build is None:
+        raise FileNotFoundError(f"no shipped tiny model in {SHIPPED}")
+    found = file_digests(SHIPPED)
+    if found != build["files"]:
+        bad = sorted(set(found.items()) ^ set(build["files"].items()))
+        raise ValueError(f"the shipped tiny model in {SHIPPED} does not match {BUILD_FILE}: {bad}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(SHIPPED, tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path

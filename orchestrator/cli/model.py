@@ -73,58 +73,62 @@ def init(
     bounds.EPISODES.check("--eval-episodes", eval_episodes)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} is not empty; choose a new directory")
-    from workers.tiny_model import build_model, build_tokenizer
+    from workers.tiny_model import build_model, build_tokenizer, deterministic_build
     from workers.warmstart import build_dataset, copy_drills, evaluate_rewards, sft
 
     say = console()
     t0 = time.monotonic()
-    tokenizer = build_tokenizer()
-    heads = max(1, hidden // 32) if heads is None else heads
-    if hidden % heads:
-        raise UserError(f"--hidden {hidden} is not a multiple of --heads {heads}")
-    model = build_model(
-        tokenizer, hidden=hidden, layers=layers, heads=heads, init_std=0.1, seed=seed
-    )
-    params = sum(p.numel() for p in model.parameters())
-    say.print(
-        f"tokenizer: {len(tokenizer)} tokens; model: {params / 1e6:.2f}M parameters", markup=False
-    )
-    loss = None
-    losses: list[float] = []
-
-    def log(step: int, value: float) -> None:
-        losses.append(value)
-        say.print(f"  step {step}: loss {value:.3f}")
-
-    if steps > 0 and copy_steps > 0:
-        # Copying first: short drills (cheap steps) until the model copies names, words and
-        # numbers from its context; every task's turns then build on that.
-        say.print(f"copying: {copy_steps} SFT steps on copy drills", markup=False)
-        sft(
-            model,
-            copy_drills(tokenizer, COPY_DRILLS, seed + 1),
-            steps=copy_steps,
-            batch_size=COPY_BATCH,
-            lr=2e-3,
-            seed=seed,
-            log=log,
+    with deterministic_build():  # one thread: the same bytes on every machine of this kind
+        tokenizer = build_tokenizer()
+        heads = max(1, hidden // 32) if heads is None else heads
+        if hidden % heads:
+            raise UserError(f"--hidden {hidden} is not a multiple of --heads {heads}")
+        model = build_model(
+            tokenizer, hidden=hidden, layers=layers, heads=heads, init_std=0.1, seed=seed
         )
-    if steps > 0:
-        data = build_dataset(tokenizer, 400, WARM_TASKS, seed, copy=MIX_DRILLS)
-        say.print(f"warm start: {steps} SFT steps on {len(data)} solved transcripts", markup=False)
-        loss = sft(
-            model,
-            data,
-            steps=steps,
-            batch_size=2,
-            group_batch=WARM_BATCH,
-            lr=2e-3,
-            seed=seed,
-            log=log,
+        params = sum(p.numel() for p in model.parameters())
+        say.print(
+            f"tokenizer: {len(tokenizer)} tokens; model: {params / 1e6:.2f}M parameters",
+            markup=False,
         )
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(out)
-    model.save_pretrained(out)
+        loss = None
+        losses: list[float] = []
+
+        def log(step: int, value: float) -> None:
+            losses.append(value)
+            say.print(f"  step {step}: loss {value:.3f}")
+
+        if steps > 0 and copy_steps > 0:
+            # Copying first: short drills (cheap steps) until the model copies names, words and
+            # numbers from its context; every task's turns then build on that.
+            say.print(f"copying: {copy_steps} SFT steps on copy drills", markup=False)
+            sft(
+                model,
+                copy_drills(tokenizer, COPY_DRILLS, seed + 1),
+                steps=copy_steps,
+                batch_size=COPY_BATCH,
+                lr=2e-3,
+                seed=seed,
+                log=log,
+            )
+        if steps > 0:
+            data = build_dataset(tokenizer, 400, WARM_TASKS, seed, copy=MIX_DRILLS)
+            say.print(
+                f"warm start: {steps} SFT steps on {len(data)} solved transcripts", markup=False
+            )
+            loss = sft(
+                model,
+                data,
+                steps=steps,
+                batch_size=2,
+                group_batch=WARM_BATCH,
+                lr=2e-3,
+                seed=seed,
+                log=log,
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(out)
+        model.save_pretrained(out)
     rewards = (
         evaluate_rewards(str(out), WARM_TASKS, eval_episodes, seed=seed)
         if eval_episodes > 0

@@ -122,7 +122,8 @@ def _next_free_name(cfg: RollcallConfig, db: Any, out: Console) -> RollcallConfi
 
 def resolve_model(cfg: RollcallConfig, home: Path, out: Console) -> Path:
     """The configured model folder, or the built-in model ``model.builtin``: the tiny local
-    model (built when missing) or SmolLM2-135M-Instruct (imported when missing)."""
+    model (when missing, the shipped build is copied in, or where this installation has none,
+    it is built) or SmolLM2-135M-Instruct (imported when missing)."""
     from orchestrator.errors import UserError
 
     if cfg.model.path is not None:
@@ -143,6 +144,12 @@ def resolve_model(cfg: RollcallConfig, home: Path, out: Console) -> Path:
         return path
     path = home / "models" / "tiny"
     if not (path / "config.json").exists():
+        from workers.tiny_model import install_shipped, shipped_build
+
+        if shipped_build() is not None:  # the build `rollcall model init` makes, shipped
+            install_shipped(path)
+            out.print(f"tiny model: the shipped build, copied to {path}", markup=False)
+            return path
         from orchestrator.cli.model import init
 
         out.print(f"building the tiny model in {path} (once; a few minutes)", markup=False)
