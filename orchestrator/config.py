@@ -275,8 +275,8 @@ EngineConfig = Annotated[
 
 class ModelConfig(StrictModel):
     """The policy to train. ``path`` unset: the built-in model ``builtin`` in
-    ROLLCALL_HOME/models: ``tiny`` built (``rollcall model init``) or ``smollm2-135m`` imported
-    (``rollcall model import smollm2``) on first use."""
+    ROLLCALL_HOME/models: ``tiny`` copied from the package (what ``rollcall model init`` builds)
+    or ``smollm2-135m`` imported (``rollcall model import smollm2``) on first use."""
 
     path: str | None = Field(
         default=None,
@@ -285,8 +285,8 @@ class ModelConfig(StrictModel):
     )
     builtin: Literal["tiny", "smollm2-135m"] = Field(
         default="tiny",
-        description="the model used when path is unset: tiny (built by `rollcall model init` if "
-        "missing) or smollm2-135m (imported by `rollcall model import smollm2` if missing)",
+        description="the model used when path is unset: tiny (the build of `rollcall model init` "
+        "shipped with the package, copied in if missing) or smollm2-135m (imported by `rollcall model import smollm2` if missing)",
     )
     tool_format: Literal["auto", "hermes", "json", "rollcall"] = Field(
         default="auto",
