@@ -286,7 +286,8 @@ class ModelConfig(StrictModel):
     builtin: Literal["tiny", "smollm2-135m"] = Field(
         default="tiny",
         description="the model used when path is unset: tiny (the build of `rollcall model init` "
-        "shipped with the package, copied in if missing) or smollm2-135m (imported by `rollcall model import smollm2` if missing)",
+        "shipped with the package, copied in if missing) or smollm2-135m (imported by "
+        "`rollcall model import smollm2` if missing)",
     )
     tool_format: Literal["auto", "hermes", "json", "rollcall"] = Field(
         default="auto",

@@ -41,8 +41,9 @@ def quickstart(
     """Train the tiny model on the built-in tasks (CPU, embedded PostgreSQL, local Ray).
 
     Starts and migrates the embedded PostgreSQL (unless the config names a database), copies
-    the shipped tiny model into ROLLCALL_HOME/models/tiny if it is missing, and runs configs/quickstart.yaml to the end. A second
-    quickstart runs a new job (quickstart-2, ...) unless --resume continues the last one."""
+    the shipped tiny model into ROLLCALL_HOME/models/tiny if it is missing, and runs
+    configs/quickstart.yaml to the end. A second quickstart runs a new job (quickstart-2, ...)
+    unless --resume continues the last one."""
     from orchestrator.cli.run import report, run_job
     from orchestrator.config import load_config
     from orchestrator.errors import UserError
