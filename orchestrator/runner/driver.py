@@ -52,7 +52,7 @@ from orchestrator.errors import (
 )
 from orchestrator.runner.drift import DRIFT_EVENT, IsWeightWatch
 from orchestrator.runner.lifecycle import JobLifecycle
-from orchestrator.runner.progress import Progress, Snapshot
+from orchestrator.runner.progress import Pace, Progress, Snapshot
 from orchestrator.runner.rundir import RunDir
 from orchestrator.runner.trainer_control import TrainerControl, is_trainer_failure
 
@@ -129,6 +129,7 @@ class JobDriver(TrainerControl):
         self.started_ray = False
         self.placement: Any = None  # the job's reserved slots (orchestrator/runner/placement.py)
         self.pending_evals: list[tuple[int, Any]] = []
+        self.pace = Pace()  # the progress line's ETA
         self.lifecycle: JobLifecycle | None = None  # this driver's hold on its job
         self._outcome: JobStatus | None = None  # how run() ended, for the job's status
         self._failure: BaseException | None = None  # what ended a failed run()
@@ -659,7 +660,7 @@ class JobDriver(TrainerControl):
         snap.elapsed_s = elapsed
         snap.busy_frac = train_s / elapsed if elapsed > 0 else 0.0
         left = self.cfg.run.total_steps - step
-        snap.eta_s = elapsed / steps * left if steps else None
+        snap.eta_s = self.pace.eta_s(elapsed_s=elapsed, steps=steps, left=left)
         snap.depth = self.buffer.depth()
         snap.nodes = [n for n in self.buffer.node_health() if n["role"] == "rollout"]
 

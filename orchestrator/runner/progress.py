@@ -31,6 +31,27 @@ class Snapshot:
     waiting: str = ""
 
 
+class Pace:
+    """The ETA of a run from the pace of its steps since the first one it saw done: the first
+    step of a run also waits for the rollout nodes' start and the first full batch's rollout,
+    so counting it as a step would show an hour at step 1 of a ten-minute run."""
+
+    def __init__(self) -> None:
+        self._first: tuple[float, int] | None = None  # (elapsed, steps) at the first step seen
+
+    def eta_s(self, *, elapsed_s: float, steps: int, left: int) -> float | None:
+        """Seconds left for ``left`` more steps, ``steps`` done in ``elapsed_s`` this run;
+        None until a step beyond the first is done."""
+        if steps < 1:
+            return None
+        if self._first is None:
+            self._first = (elapsed_s, steps)
+        t0, n0 = self._first
+        if steps <= n0:
+            return None
+        return (elapsed_s - t0) / (steps - n0) * left
+
+
 def _eta(s: Snapshot) -> str:
     if s.eta_s is None:
         return "-"
