@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from orchestrator.cli.common import console, open_db, print_json
-from orchestrator.cli.common import table as make_table
+from orchestrator.cli.common import col, compact_table, console, one_line, open_db, print_json
 
 if TYPE_CHECKING:
     from orchestrator.services.drills import DrillReport
@@ -59,35 +58,45 @@ def _show(reports: list[DrillReport], json_out: bool) -> None:
     if json_out:
         print_json([r.to_json() for r in reports] if len(reports) > 1 else reports[0].to_json())
     else:
-        t = make_table(
-            "drill",
-            "target",
-            "detection s",
-            "recovery s",
-            "in flight",
-            "resumed turns",
-            "lost",
-            "duplicated",
-            "invariants",
-        )
+        console().print(drill_table(reports))
         for r in reports:
-            t.add_row(
-                r.drill,
-                r.target,
-                "-" if r.detection_s is None else f"{r.detection_s:.2f}",
-                "timed out" if r.recovery_s is None else f"{r.recovery_s:.2f}",
-                f"{r.in_flight_episodes} episodes / {r.in_flight_samples} samples",
-                str(r.resumed_turns),
-                str(r.lost),
-                str(r.duplicated),
-                "ok" if r.invariants_ok else r.invariant_summary,
-            )
-        console().print(t)
-        for r in reports:
+            if not r.invariants_ok:  # whole, where the table cuts it short
+                console().print(
+                    f"{r.drill}: invariants broken: {r.invariant_summary}", markup=False
+                )
             for note in r.notes:
                 console().print(f"note: {note}", markup=False)
     if not all(r.passed for r in reports):
         raise typer.Exit(1)
+
+
+def drill_table(reports: list[DrillReport]) -> Any:
+    """The drill reports as a table: in flight as episodes/samples, lost/duplicated
+    trajectories (``--json``: every field whole, by name)."""
+    t = compact_table(
+        "drill",
+        col("target", flex=True),
+        col("detect s", right=True),
+        col("recover s", right=True),
+        col("in flight", right=True),
+        col("resumed", right=True),
+        col("lost/dup", right=True),
+        col("invariants", flex=True),
+    )
+    for r in reports:
+        t.add_row(
+            *one_line(
+                r.drill,
+                r.target,
+                "-" if r.detection_s is None else f"{r.detection_s:.2f}",
+                "timed out" if r.recovery_s is None else f"{r.recovery_s:.2f}",
+                f"{r.in_flight_episodes}/{r.in_flight_samples}",
+                str(r.resumed_turns),
+                f"{r.lost}/{r.duplicated}",
+                "ok" if r.invariants_ok else r.invariant_summary,
+            )
+        )
+    return t
 
 
 @app.command("kill-rollout")

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from orchestrator.cli.common import actor, console, open_db, print_json
-from orchestrator.cli.common import table as make_table
+from orchestrator.cli.common import (
+    actor,
+    col,
+    compact_table,
+    console,
+    one_line,
+    open_db,
+    print_json,
+)
 
 app = typer.Typer(
     help="Jobs: long-running training runs that tasks belong to.", no_args_is_help=True
@@ -44,16 +51,29 @@ def list_(
     if json_out:
         print_json([{**j.to_json(), "tasks": ntasks[j.id]} for j in jobs])
         return
-    table = make_table("name", "status", "policy version", "tasks", "created")
+    console().print(jobs_table([{**j.to_json(), "tasks": ntasks[j.id]} for j in jobs]))
+
+
+def jobs_table(jobs: list[dict[str, Any]]) -> Any:
+    """``job list`` as a table, from the rows of its ``--json`` output."""
+    table = compact_table(
+        col("name", flex=True),
+        "status",
+        col("version", right=True),
+        col("tasks", right=True),
+        "created",
+    )
     for j in jobs:
         table.add_row(
-            j.name,
-            j.status.value,
-            str(j.policy_version),
-            str(ntasks[j.id]),
-            f"{j.created_at:%Y-%m-%d %H:%M:%S}",
+            *one_line(
+                j["name"],
+                j["status"],
+                str(j["policy_version"]),
+                str(j["tasks"]),
+                j["created_at"][:19].replace("T", " "),
+            )
         )
-    console().print(table)
+    return table
 
 
 @app.command()

@@ -7,7 +7,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from orchestrator.cli.common import actor, console, open_db, print_json
+from orchestrator.cli.common import (
+    actor,
+    col,
+    compact_table,
+    console,
+    one_line,
+    open_db,
+    print_json,
+)
 from orchestrator.cli.common import table as make_table
 from orchestrator.defaults import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_STALENESS, DEFAULT_WEIGHT
 
@@ -125,20 +133,33 @@ def list_(ctx: typer.Context, job: JobOpt = "default", json_out: JsonOpt = False
     if json_out:
         print_json([t.to_json() for t in tasks])
         return
-    table = make_table(
-        "name", "plugin", "status", "weight", "max inflight", "max staleness", "partition"
+    console().print(tasks_table([t.to_json() for t in tasks]))
+
+
+def tasks_table(tasks: list[dict[str, Any]]) -> Any:
+    """``task list`` as a table, from the rows of its ``--json`` output."""
+    table = compact_table(
+        col("name", flex=True),
+        "plugin",
+        "status",
+        col("weight", right=True),
+        col("inflight", right=True),
+        col("stale", right=True),
+        "partition",
     )
     for t in tasks:
         table.add_row(
-            t.name,
-            t.plugin,
-            t.status.value,
-            f"{t.weight:g}",
-            str(t.max_inflight),
-            str(t.max_staleness),
-            t.partition,
+            *one_line(
+                t["name"],
+                t["plugin"],
+                t["status"],
+                f"{t['weight']:g}",
+                str(t["max_inflight"]),
+                str(t["max_staleness"]),
+                t["partition"],
+            )
         )
-    console().print(table)
+    return table
 
 
 @app.command()
