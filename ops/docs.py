@@ -92,7 +92,7 @@ ray: {address: null, num_cpus: 2}
 buffer: {batch_groups: 6}
 rollout: {nodes: 1, concurrency: 16, engine: {kind: hf, device: cpu}}
 trainer: {ranks: 1, lr: 1.0e-4, loss: {correction: {kind: tis, cap: 2.0}}}
-run: {mode: async, total_steps: 80, eval: {every: 10, episodes: 64}}
+run: {mode: async, total_steps: 80, eval: {every: 20, episodes: 64}}
 tasks:
   - {name: calculator, plugin: calculator, weight: 2.0, max_inflight: 12, max_staleness: 4,
      spec: {group_size: 8, max_turns: 4}}
