@@ -2,7 +2,7 @@
 
     python ops/bench/learning.py RUN_DIR [RUN_DIR ...] [--png curves.png]
     python ops/bench/learning.py --run [--config configs/quickstart.yaml] [--steps 80]
-                                       [--sync-steps N] [--png curves.png]
+                                       [--sync-steps N] [--set KEY=VALUE ...] [--png curves.png]
 
 The first form reads finished runs' ``metrics.jsonl``: held-out reward per task against
 trained samples and wall time, one table per run. The second first runs the config twice in
@@ -112,24 +112,27 @@ def compare(a: dict[str, Any], s: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run_pair(config: Path, steps: int, sync_steps: int | None) -> list[Path]:
-    """Run ``config`` in async then in sync mode (in ``ROLLCALL_HOME``); their run dirs."""
+def run_pair(config: Path, steps: int, sync_steps: int | None, overrides: list[str]) -> list[Path]:
+    """Run ``config`` in async then in sync mode (in ``ROLLCALL_HOME``), each with the
+    ``key=value`` ``overrides``; their run directories."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    subprocess.run(["rollcall", "db", "upgrade"], check=True)
+    rollcall = [sys.executable, "-m", "orchestrator.cli"]  # this interpreter's rollcall
+    subprocess.run([*rollcall, "db", "upgrade"], check=True)
     dirs = []
     for mode, n in (("async", steps), ("sync", sync_steps or steps)):
         name = f"learn-{mode}-{stamp}"
         cmd = [
-            "rollcall",
+            *rollcall,
             "run",
             str(config),
             f"job.name={name}",
             f"run.mode={mode}",
             f"run.total_steps={n}",
+            *overrides,
             "--no-live",
             "--json",
         ]
-        print("$ " + " ".join(cmd), flush=True)
+        print("$ rollcall " + " ".join(cmd[3:]), flush=True)
         out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
         result = json.loads(out[out.rfind("\n{\n") + 1 :])  # the JSON after rollcall's lines
         print(
@@ -148,11 +151,14 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=Path("configs/quickstart.yaml"))
     ap.add_argument("--steps", type=int, default=80, help="steps of each run (--run)")
     ap.add_argument("--sync-steps", type=int, default=None, help="steps of the sync run (--run)")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override (--run)"
+    )
     ap.add_argument("--png", type=Path, default=None, help="write the curves here")
     args = ap.parse_args()
     if args.run == bool(args.runs):
         ap.error("give run directories, or --run (not both)")
-    runs = run_pair(args.config, args.steps, args.sync_steps) if args.run else args.runs
+    runs = run_pair(args.config, args.steps, args.sync_steps, args.set) if args.run else args.runs
     curves = [curve(r) for r in runs]
     summary: dict[str, Any] = {"runs": {}}
     for c in curves:
