@@ -19,7 +19,7 @@ from orchestrator.cli.model import init
 from orchestrator.cli.run import resolve_model
 from orchestrator.config import RollcallConfig, load_config
 from workers import tiny_model
-from workers.tiny_model import BUILD_FILE, SHIPPED, file_digests, install_shipped, shipped_build
+from workers.tiny_model import SHIPPED, file_digests, install_shipped, shipped_build
 
 
 def _small_build(out: Path, threads: int) -> dict[str, str]:
@@ -78,4 +78,3 @@ def test_a_damaged_shipped_file_is_refused(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(ValueError, match=r"does not match BUILD\.json.*config\.json"):
         install_shipped(tmp_path / "home" / "tiny")
     assert not (tmp_path / "home" / "tiny").exists()
-    assert BUILD_FILE == "BUILD.json"
