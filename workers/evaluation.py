@@ -13,6 +13,7 @@ batch, and two evaluations of one checkpoint agree.
 
 from __future__ import annotations
 
+import queue
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,8 +62,16 @@ class Evaluator:
         self.temperature = temperature
         self.seed = seed
         from workers.rollout.chat import chat_for
+        from workers.rollout.tools import ToolRunner
 
         self.chat = chat_for(self.hf.tokenizer, tool_format, chat_template)
+        # One tool process per concurrent episode, reused by the episodes that follow (as a
+        # rollout node's agent loops do): a new process per episode costs a process start and
+        # its imports, 128 times per evaluation of the quickstart.
+        self._runners: queue.SimpleQueue[ToolRunner] = queue.SimpleQueue()
+        self._all_runners = [ToolRunner() for _ in range(concurrency)]
+        for r in self._all_runners:
+            self._runners.put(r)
 
     def evaluate(
         self,
@@ -73,7 +82,6 @@ class Evaluator:
     ) -> dict[str, list[float]]:
         """The reward of each held-out prompt 0..episodes-1 per task, under ``version``."""
         from workers.rollout.agent import AgentLoop, Limits
-        from workers.rollout.tools import ToolRunner
 
         if location is not None and version != self.engine.version:
             self.engine.load_weights(version, location)
@@ -89,7 +97,8 @@ class Evaluator:
                 temperature=self.temperature,
                 seed=episode_seed(self.seed, task.name, i),
             )
-            with ToolRunner() as runner:
+            runner = self._runners.get()
+            try:
                 loop = AgentLoop(
                     self.engine,
                     self.hf.tokenizer,
@@ -101,6 +110,8 @@ class Evaluator:
                     self.chat,
                 )
                 return task.name, loop.run().reward
+            finally:
+                self._runners.put(runner)
 
         jobs = [(t, i) for t in tasks for i in range(episodes)]
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
@@ -109,6 +120,8 @@ class Evaluator:
 
     def close(self) -> None:
         self.engine.close()
+        for r in self._all_runners:
+            r.close()
 
 
 def evaluator_actor(num_cpus: float = 0.0) -> Any:

@@ -90,3 +90,28 @@ def test_the_final_summary_fits_80_columns() -> None:
     lines = summary_lines(result)
     assert len(lines) == 2 and "0.100 -> 0.700" in lines[1] and "2560" in lines[1]
     assert all(len(line) <= 80 for line in [*lines, *("  " + n for n in NEXT_STEPS)])
+
+
+def test_evaluation_reuses_its_tool_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One tool process per concurrent episode, not one per episode: 24 episodes at
+    concurrency 3 start at most 3. The shipped (warm-started) model, which calls the tool."""
+    from workers.evaluation import EvalTask, Evaluator
+    from workers.rollout import tools
+    from workers.tiny_model import SHIPPED
+
+    started: set[int] = set()
+    ensure = tools.ToolRunner._ensure
+
+    def counting(self: tools.ToolRunner) -> object:
+        conn = ensure(self)
+        started.add(self._proc.pid)
+        return conn
+
+    monkeypatch.setattr(tools.ToolRunner, "_ensure", counting)
+    evaluator = Evaluator(str(SHIPPED), seed=3, concurrency=3)
+    try:
+        rewards = evaluator.evaluate([EvalTask("calculator", "calculator", {})], 24)
+    finally:
+        evaluator.close()
+    assert len(rewards["calculator"]) == 24
+    assert 1 <= len(started) <= 3
