@@ -18,8 +18,13 @@ is reported on its own. A process whose RSS passes ``--cap-gib``, or that leaves
 less than 1 GiB available, is killed and reported as "did not fit", so the machine's OOM killer
 never picks a victim.
 
+On a CUDA device (``--device cuda``; ``ops/gpu/trainer_memory.py`` runs it there) the rank
+computes on the GPU and each row also has the device's peak memory (``cuda_peak_gib``:
+``torch.cuda.max_memory_allocated``, and ``cuda_reserved_gib``: what the caching allocator
+held at its peak); a step that runs out of device memory is "did not fit".
+
 Usage: python ops/bench/trainer_memory.py [--model DIR] [--tokens 2048 8192 16384]
-       [--setups before after] [--threads 2] [--cap-gib G] [--timeout-s S]
+       [--setups before after] [--threads 2] [--cap-gib G] [--timeout-s S] [--device cuda]
        (DIR: from ``rollcall model import smollm2``; without --model one is imported into a
        temporary directory, about a minute)
 Prints a table, then (last line) one JSON object with the figures.
@@ -62,7 +67,9 @@ def sequence_lengths(tokens: int, seed: int = 0) -> list[int]:
     return lengths
 
 
-def measure(model_dir: str, setup: str, tokens: int, threads: int) -> dict[str, Any]:
+def measure(
+    model_dir: str, setup: str, tokens: int, threads: int, device: str = "cpu"
+) -> dict[str, Any]:
     """One step in this process (the child)."""
     import numpy as np
     import torch
@@ -83,6 +90,7 @@ def measure(model_dir: str, setup: str, tokens: int, threads: int) -> dict[str, 
         grad_clip=1.0,
         loss=LossConfig(),
         threads=threads,
+        device=device,
         **SETUPS[setup],
     )
     rank = TrainerRank(0, 1, settings)
@@ -104,13 +112,28 @@ def measure(model_dir: str, setup: str, tokens: int, threads: int) -> dict[str, 
             )
         )
     mask_dtype = rank.model.dtype  # what model_inputs builds the mask in
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
     set_up = rss()
     start = time.perf_counter()
     out = rank.train([[micro]])
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     peak = peak_rss()
     assert np.isfinite(out["loss"]), out
+    on_device = (
+        {
+            "cuda_peak_gib": round(torch.cuda.max_memory_allocated() / GIB, 2),
+            "cuda_reserved_gib": round(torch.cuda.max_memory_reserved() / GIB, 2),
+        }
+        if cuda
+        else {}
+    )
     return {
+        **on_device,
         "setup": setup,
         "tokens": tokens,
         "sequences": len(micro),
@@ -129,6 +152,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192, 16384])
     ap.add_argument("--setups", nargs="+", choices=sorted(SETUPS), default=["before", "after"])
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the rank")
+    ap.add_argument("--device", default="cpu", help="the rank's device: cpu or cuda")
     ap.add_argument(
         "--cap-gib", type=float, help="RSS at which a child is killed (default: available - 3)"
     )
@@ -137,9 +161,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.one is not None:
         try:
-            result = measure(str(args.model), args.one[0], int(args.one[1]), args.threads)
-        except (MemoryError, RuntimeError) as e:
-            if not isinstance(e, MemoryError) and "alloc" not in str(e).lower():
+            result = measure(
+                str(args.model), args.one[0], int(args.one[1]), args.threads, args.device
+            )
+        except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            text = str(e).lower()
+            if (
+                not isinstance(e, MemoryError)
+                and "alloc" not in text
+                and "out of memory" not in text
+            ):
                 raise
             result = {"setup": args.one[0], "tokens": int(args.one[1]), "fit": False,
                       "why": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}  # fmt: skip
@@ -159,7 +190,7 @@ def main() -> None:
     try:
         for tokens in args.tokens:
             for setup in args.setups:
-                cmd = [sys.executable, __file__, "--model", str(model),
+                cmd = [sys.executable, __file__, "--model", str(model), "--device", args.device,
                        "--threads", str(args.threads), "--one", setup, str(tokens)]  # fmt: skip
                 print(f"== {setup} {tokens} tokens", flush=True)
                 child = run_child(cmd, cap=cap, timeout_s=args.timeout_s)
@@ -186,13 +217,15 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
     print()
-    print(f"{'setup':<7} {'tokens':>7} {'peak':>10} {'set up':>8} {'step':>8} {'mask':>14}")
+    gpu = " device peak" if args.device != "cpu" else ""
+    print(f"{'setup':<7} {'tokens':>7} {'peak':>10} {'set up':>8} {'step':>8} {'mask':>14}{gpu}")
     for r in rows:
         if r["fit"]:
             print(
                 f"{r['setup']:<7} {r['tokens']:>7,} {r['peak_gib']:>6.2f} GiB "
                 f"{r['set_up_gib']:>4.2f} GiB {r['step_s']:>6.1f} s "
                 f"{r['mask_mib']:>6,} MiB {r['mask_dtype']}"
+                + (f" {r['cuda_peak_gib']:>6.2f} GiB" if "cuda_peak_gib" in r else "")
             )
         else:
             verdict = "did not finish" if r["why"].startswith("ran past") else "did not fit"
@@ -203,6 +236,7 @@ def main() -> None:
                 "rows": rows,
                 "cap_gib": round(cap / GIB, 1),
                 "threads": args.threads,
+                "device": args.device,
                 "load_start": round(load_start, 2),
                 "load_end": round(os.getloadavg()[0], 2),
             }
