@@ -85,6 +85,22 @@ class Transcript:
     token_ids: list[int]
     loss_mask: list[int]
     task: str = ""
+    weight: float = 1.0  # of the transcript in its group's mean loss
+
+
+LAZY_TASKS = ("calculator", "retrieval")  # the tasks that have a lazy demonstrator
+
+
+def make_lazy_answer(task: str, prompt: dict[str, Any]) -> str:
+    """The lazy demonstrator's one turn: a final answer given without using a tool, so
+    usually wrong (calculator: the problem's first number, a well-formed wrong answer;
+    retrieval: the name the question is about)."""
+    if task == "calculator":
+        first = re.findall(r"\d+", prompt["expression"])[0]
+        return f"<answer>{first}</answer>"
+    if task == "retrieval":
+        return f"<answer>{prompt['subject']}</answer>"
+    raise ValueError(f"no lazy demonstrator for task {task!r}")
 
 
 def episode(plugin: TaskPlugin, spec: TaskSpec, prompt: dict[str, Any]) -> list[tuple[str, bool]]:
@@ -111,17 +127,40 @@ def episode(plugin: TaskPlugin, spec: TaskSpec, prompt: dict[str, Any]) -> list[
     return segments
 
 
+def _encode(segments: list[tuple[str, bool]], tokenizer: Any, task: str) -> Transcript:
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, generated in segments:
+        seg = list(tokenizer.encode(text, add_special_tokens=False))
+        ids += seg
+        mask += [int(generated)] * len(seg)
+    return Transcript(ids, mask, task)
+
+
 def transcript(
     plugin: TaskPlugin, spec: TaskSpec, prompt: dict[str, Any], tokenizer: Any
 ) -> Transcript:
     """The oracle's episode encoded segment by segment, as the agent loop encodes it."""
-    ids: list[int] = []
-    mask: list[int] = []
-    for text, generated in episode(plugin, spec, prompt):
-        seg = list(tokenizer.encode(text, add_special_tokens=False))
-        ids += seg
-        mask += [int(generated)] * len(seg)
-    return Transcript(ids, mask, plugin.name)
+    return _encode(episode(plugin, spec, prompt), tokenizer, plugin.name)
+
+
+def lazy_transcript(
+    plugin: TaskPlugin, spec: TaskSpec, prompt: dict[str, Any], tokenizer: Any
+) -> Transcript:
+    """The lazy demonstrator's episode (``make_lazy_answer``), weighted so that its first
+    generated tokens count as much as the oracle's do in a transcript of the same prompt: the
+    share of lazy transcripts is then the share of first turns that the warm start learns to
+    give without a tool (each transcript's loss is a mean over its generated tokens, so a short
+    one would otherwise count several times more per token)."""
+    head = prompt_text(plugin.tools(spec), plugin.instructions(spec, prompt))
+    lazy = _encode(
+        [(head, False), (make_lazy_answer(plugin.name, prompt) + END, True)],
+        tokenizer,
+        plugin.name,
+    )
+    oracle = transcript(plugin, spec, prompt, tokenizer)
+    weight = sum(lazy.loss_mask) / sum(oracle.loss_mask)
+    return Transcript(lazy.token_ids, lazy.loss_mask, plugin.name, weight)
 
 
 # The warm start plays training prompts from this index on: an RL job's prompt stream starts
@@ -195,14 +234,19 @@ def build_dataset(
     *,
     corpora: int = 4,
     copy: int = 0,
+    lazy: dict[str, float] | None = None,
 ) -> list[Transcript]:
-    """``per_task`` solved transcripts of every (plugin, spec) of ``warm_sources``, and
-    ``copy`` copy drills, shuffled."""
-    data = [
-        transcript(plugin, spec, plugin.prompt(spec, WARM_PROMPTS_FROM + i), tokenizer)
-        for plugin, spec in warm_sources(tasks, corpora=corpora)
-        for i in range(per_task)
-    ]
+    """``per_task`` transcripts of every (plugin, spec) of ``warm_sources``, and ``copy`` copy
+    drills, shuffled. A transcript of task ``t`` is the lazy demonstrator's
+    (``lazy_transcript``) with probability ``lazy[t]``, else the oracle's."""
+    rng = random.Random(f"lazy:{seed}")
+    data = []
+    for plugin, spec in warm_sources(tasks, corpora=corpora):
+        share = (lazy or {}).get(plugin.name, 0.0)
+        for i in range(per_task):
+            prompt = plugin.prompt(spec, WARM_PROMPTS_FROM + i)
+            make = lazy_transcript if rng.random() < share else transcript
+            data.append(make(plugin, spec, prompt, tokenizer))
     data += copy_drills(tokenizer, copy, seed)
     random.Random(seed).shuffle(data)
     return data
@@ -259,7 +303,7 @@ def sft(
                 ids[row, :n] = torch.tensor(t.token_ids)
                 attn[row, :n] = 1
                 mask = torch.tensor(t.loss_mask, dtype=torch.float)
-                weight[row, :n] = mask / mask.sum()
+                weight[row, :n] = mask / mask.sum() * t.weight
             hidden = model.model(input_ids=ids, attention_mask=attn).last_hidden_state
             rows, cols = weight[:, 1:].nonzero(as_tuple=True)  # targets only: [N]
             logits = model.lm_head(hidden[rows, cols])  # [N, V]

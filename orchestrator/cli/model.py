@@ -27,6 +27,9 @@ WARM_BATCH = {"calculator": 8, "retrieval": 6, "echo": 4, "copy": 8}
 COPY_BATCH = 32  # drills per step of the copying phase that comes first
 COPY_DRILLS = 8000  # drills the copying phase draws from
 MIX_DRILLS = 4000  # drills mixed into the task phase
+# share of each task's warm-start transcripts that a lazy demonstrator plays (an answer without
+# the tool, workers.warmstart.lazy_transcript): a behaviour for RL to unlearn from reward
+LAZY: dict[str, float] = {"calculator": 0.6, "retrieval": 0.6}
 
 
 @app.command()
@@ -35,21 +38,30 @@ def init(
         Path, typer.Option("--out", help="Directory to save the model and tokenizer in.")
     ],
     seed: Annotated[int, typer.Option(help="Seed of the weights and the warm-start data.")] = 0,
-    hidden: Annotated[int, typer.Option(help="Hidden size.")] = 96,
-    layers: Annotated[int, typer.Option(help="Transformer layers.")] = 3,
+    hidden: Annotated[int, typer.Option(help="Hidden size.")] = 128,
+    layers: Annotated[int, typer.Option(help="Transformer layers.")] = 4,
     heads: Annotated[
         int | None,
         typer.Option(
             help="Attention heads; default hidden/32 (head size 32: vLLM on CPU needs 32+)."
         ),
     ] = None,
-    steps: Annotated[int, typer.Option(help="Warm-start SFT steps (0: random weights).")] = 600,
+    steps: Annotated[int, typer.Option(help="Warm-start SFT steps (0: random weights).")] = 1200,
     copy_steps: Annotated[
         int, typer.Option(help="Steps of copy drills before the task transcripts (0: none).")
-    ] = 800,
+    ] = 1200,
     eval_episodes: Annotated[
         int, typer.Option(help="Held-out episodes per task for the starting reward.")
     ] = 16,
+    lazy: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="TASK=SHARE: that share of TASK's transcripts answers without a tool "
+            "(repeatable; default: "
+            + (", ".join(f"{k}={v}" for k, v in LAZY.items()) or "none")
+            + ")."
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Build a tokenizer and a small Qwen2 model, warm-start it on solved transcripts of the
@@ -71,6 +83,7 @@ def init(
     bounds.SFT_STEPS.check("--steps", steps)
     bounds.SFT_STEPS.check("--copy-steps", copy_steps)
     bounds.EPISODES.check("--eval-episodes", eval_episodes)
+    shares = dict(LAZY) if lazy is None else _lazy_shares(lazy)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} is not empty; choose a new directory")
     from workers.tiny_model import build_model, build_tokenizer, deterministic_build
@@ -112,7 +125,7 @@ def init(
                 log=log,
             )
         if steps > 0:
-            data = build_dataset(tokenizer, 400, WARM_TASKS, seed, copy=MIX_DRILLS)
+            data = build_dataset(tokenizer, 400, WARM_TASKS, seed, copy=MIX_DRILLS, lazy=shares)
             say.print(
                 f"warm start: {steps} SFT steps on {len(data)} solved transcripts", markup=False
             )
@@ -152,6 +165,26 @@ def init(
             f"starting reward {task}: {r:.3f} ({eval_episodes} held-out episodes)", markup=False
         )
     say.print(f"saved to {out} in {elapsed:.0f} s", markup=False)
+
+
+def _lazy_shares(items: list[str]) -> dict[str, float]:
+    from orchestrator.errors import UserError
+    from workers.warmstart import LAZY_TASKS
+
+    shares: dict[str, float] = {}
+    for item in items:
+        task, _, value = item.partition("=")
+        try:
+            share = float(value)
+        except ValueError:
+            share = -1.0
+        if task not in LAZY_TASKS or not 0.0 <= share <= 1.0:
+            raise UserError(
+                f"--lazy {item!r}: expected TASK=SHARE with TASK one of "
+                f"{', '.join(LAZY_TASKS)} and SHARE from 0 to 1"
+            )
+        shares[task] = share
+    return shares
 
 
 @import_app.command("smollm2")
