@@ -94,8 +94,10 @@ rollout: {nodes: 1, concurrency: 16, engine: {kind: hf, device: cpu}}
 trainer: {ranks: 1, lr: 1.0e-4, loss: {correction: {kind: tis, cap: 2.0}}}
 run: {mode: async, total_steps: 80, eval: {every: 20, episodes: 64}}
 tasks:
-  - {name: calculator, plugin: calculator, weight: 2.0, max_inflight: 12, max_staleness: 4,
+  - {name: calculator, plugin: calculator, weight: 1.0, max_inflight: 12, max_staleness: 4,
      spec: {group_size: 8, max_turns: 4}}
+  - {name: retrieval, plugin: retrieval, weight: 1.0, max_inflight: 8, max_staleness: 4,
+     spec: {group_size: 8}}
 ```
 """
 

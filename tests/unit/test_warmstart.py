@@ -37,7 +37,7 @@ def test_a_lazy_transcript_answers_without_a_tool_and_weighs_its_first_turn_as_t
     prompt = plugin.prompt(spec, 7)
     oracle = transcript(plugin, spec, prompt, tokenizer)
     lazy = lazy_transcript(plugin, spec, prompt, tokenizer)
-    text = tokenizer.decode([t for t, m in zip(lazy.token_ids, lazy.loss_mask) if m])
+    text = tokenizer.decode([t for t, m in zip(lazy.token_ids, lazy.loss_mask, strict=True) if m])
     assert "<tool>" not in text and text.startswith(make_lazy_answer("calculator", prompt))
     first = prompt["expression"].split()[0].strip("(")
     assert make_lazy_answer("calculator", prompt) == f"<answer>{first}</answer>"
