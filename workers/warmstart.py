@@ -2,8 +2,10 @@
 
 An oracle policy per task (it knows the ground truth) plays episodes through the real tools and
 the chat format of the agent loop; the model is trained on the generated turns only (the same
-loss mask RL uses). A short run leaves the policy non-trivial but far from perfect, which is
-where RL has something to learn.
+loss mask RL uses). For the tasks named in ``lazy`` a share of the transcripts is played by a
+lazy demonstrator instead, which answers at once without a tool (``lazy_transcript``): the
+warm-started policy can solve those tasks but mostly does not try, and RL learns from reward
+that using the tools pays (docs/models.md).
 """
 
 from __future__ import annotations
