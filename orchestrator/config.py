@@ -75,7 +75,22 @@ class TaskConfig(StrictModel):
     """One task of a job, with its quota."""
 
     name: str = Field(description="unique within the job; a valid name, as job.name")
-    plugin: str = Field(description="a registered plugin name (see `rollcall task plugins`)")
+    plugin: str = Field(
+        description="a registered plugin name (see `rollcall task plugins`); set to agent by "
+        "tasks[].agent"
+    )
+    agent: str | None = Field(
+        default=None,
+        description="your own async agent function instead of a plugin: "
+        "'package.module:function' or 'path/to/file.py:function' (docs/agents.md); needs "
+        "tasks[].prompts",
+    )
+    prompts: dict[str, Any] | None = Field(
+        default=None,
+        description="the agent's prompt source: {path: FILE-OR-GLOB (.jsonl, .parquet)} or "
+        "{dataset: NAME-OR-FOLDER, split: train}, with key (the column that splits off held-out "
+        "rows) and held_out_per_mille (default 100)",
+    )
     weight: Annotated[float, b.WEIGHT.field()] = Field(
         default=DEFAULT_WEIGHT,
         description="share, among the tasks competing at that moment, of rollout claims and of "
@@ -101,6 +116,26 @@ class TaskConfig(StrictModel):
     @classmethod
     def _name(cls, v: str) -> str:
         return check_name(v, "tasks[].name")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _agent(cls, data: Any) -> Any:
+        """``agent`` and ``prompts`` are the agent plugin's spec, said at the task's level."""
+        if not isinstance(data, dict) or data.get("agent") is None:
+            if isinstance(data, dict) and data.get("prompts") is not None:
+                raise ValueError("tasks[].prompts is for agent tasks; set tasks[].agent too")
+            return data
+        plugin = data.get("plugin", "agent")
+        if plugin != "agent":
+            raise ValueError(
+                f"tasks[].agent runs your own agent function; it cannot be combined with plugin "
+                f"{plugin!r}"
+            )
+        if data.get("prompts") is None:
+            raise ValueError("tasks[].agent needs tasks[].prompts, e.g. {path: prompts.jsonl}")
+        spec = dict(data.get("spec") or {})
+        spec.update(agent=data["agent"], prompts=data["prompts"])
+        return {**data, "plugin": "agent", "spec": spec}
 
 
 class BufferConfig(StrictModel):
@@ -755,8 +790,33 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return out
 
 
+def _relative_to(folder: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """Agent tasks' file paths (``tasks[].agent`` as ``FILE.py:function``, ``tasks[].prompts``
+    ``path``) are relative to the config file's folder: made absolute here."""
+    tasks = data.get("tasks")
+    if not isinstance(tasks, list):
+        return data
+    out = []
+    for task in tasks:
+        if isinstance(task, dict):
+            task = dict(task)
+            agent = task.get("agent")
+            if isinstance(agent, str):
+                where, sep, name = agent.rpartition(":")
+                if sep and where.endswith(".py") and not Path(where).expanduser().is_absolute():
+                    task["agent"] = f"{folder / where}:{name}"
+            prompts = task.get("prompts")
+            if isinstance(prompts, dict) and isinstance(prompts.get("path"), str):
+                file = Path(prompts["path"]).expanduser()
+                if not file.is_absolute():
+                    task["prompts"] = {**prompts, "path": str(folder / file)}
+        out.append(task)
+    return {**data, "tasks": out}
+
+
 def load_config(path: Path, overrides: list[str] | None = None) -> RollcallConfig:
     data = apply_overrides(read_yaml_mapping(path, "config"), overrides or [])
+    data = _relative_to(path.expanduser().resolve().parent, data)
     try:
         return RollcallConfig.model_validate(data)
     except ValidationError as e:

@@ -28,6 +28,12 @@ BUILTIN: dict[str, str] = {
 BENCHMARK: dict[str, str] = {
     "longtail": "tasks.longtail:LongtailTask",
 }
+# The plugin of agent tasks (the user's own agent function over a prompt file, docs/agents.md):
+# it has no default spec (the function and the prompts are the user's), so it is no task to
+# warm-start or sample on its own either.
+AGENT: dict[str, str] = {
+    "agent": "tasks.agent:AgentTask",
+}
 
 
 class UnknownPluginError(LookupError):
@@ -43,7 +49,7 @@ class UnknownPluginError(LookupError):
 @dataclass(frozen=True)
 class PluginInfo:
     name: str
-    source: str  # "builtin", "benchmark" (a built-in timing model) or the distribution
+    source: str  # "builtin", "benchmark" (a built-in timing model), "agent" or the distribution
     target: str  # "module:Class"
 
 
@@ -58,6 +64,7 @@ def _available() -> dict[str, PluginInfo]:
     later is found by processes started later)."""
     found = {n: PluginInfo(n, "builtin", t) for n, t in BUILTIN.items()}
     found |= {n: PluginInfo(n, "benchmark", t) for n, t in BENCHMARK.items()}
+    found |= {n: PluginInfo(n, "agent", t) for n, t in AGENT.items()}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in found:
             continue  # built-ins cannot be shadowed

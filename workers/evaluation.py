@@ -81,6 +81,8 @@ class Evaluator:
         location: str | None = None,
     ) -> dict[str, list[float]]:
         """The reward of each held-out prompt 0..episodes-1 per task, under ``version``."""
+        from tasks.agent import AgentSpec
+        from workers.agents.runtime import AgentRun
         from workers.rollout.agent import AgentLoop, Limits
 
         if location is not None and version != self.engine.version:
@@ -99,6 +101,11 @@ class Evaluator:
             )
             runner = self._runners.get()
             try:
+                if isinstance(spec, AgentSpec):
+                    run = AgentRun(
+                        self.engine, self.chat, spec, plugin.eval_prompt(spec, i), runner, limits
+                    )
+                    return task.name, run.run().reward
                 loop = AgentLoop(
                     self.engine,
                     self.hf.tokenizer,

@@ -36,7 +36,7 @@ def corpus_lines(n_per_task: int = 300) -> Iterator[str]:
     from workers.warmstart import episode
 
     for name, info in registry.available().items():
-        if info.source == "benchmark":  # timing models, not language
+        if info.source in ("benchmark", "agent"):  # timing models; the user's own agents
             continue
         plugin = registry.get(name)
         spec = plugin.Spec()

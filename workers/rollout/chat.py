@@ -230,6 +230,33 @@ class Chat:
         closing = self._closing if ended else self.eos_text + self._closing
         return self._encode(closing + after[len(before) :])
 
+    def messages_ids(self, messages: list[dict[str, Any]], tools: list[Tool]) -> list[int]:
+        """A conversation's first segment: ``messages`` rendered with the generation prompt."""
+        return self._encode(self._render(messages, tools, generation=True))
+
+    def extension_ids(
+        self,
+        before: list[dict[str, Any]],
+        new: list[dict[str, Any]],
+        tools: list[Tool],
+        *,
+        ended: bool,
+    ) -> list[int]:
+        """The segment after a generated turn that ends ``before``: the rest of the assistant
+        message's closing, the ``new`` (user or tool) messages and the next assistant header,
+        as ``observation_ids`` finds it (earlier assistant messages rendered as probes: only
+        what rendering ``new`` adds is encoded)."""
+        base = [m if m["role"] != "assistant" else _assistant(_PROBE) for m in before]
+        text_before = self._render(base, tools)
+        after = self._render([*base, *new], tools, generation=True)
+        if not after.startswith(text_before):
+            raise ChatTemplateError(
+                "the chat template is not prefix-stable for this conversation: rendering the "
+                "new messages changes the earlier ones"
+            )
+        closing = self._closing if ended else self.eos_text + self._closing
+        return self._encode(closing + after[len(text_before) :])
+
     def parse(self, token_ids: list[int]) -> Action:
         """A generated turn, read by the tool-call format (its end-of-turn token removed)."""
         text = str(self.tokenizer.decode(list(token_ids)))

@@ -51,7 +51,9 @@ from orchestrator.db.engine import open_database
 from orchestrator.domain import SampleState, WorkerStatus
 from orchestrator.errors import StaleLeaseError
 from tasks import registry
+from tasks.agent import AgentSpec
 from tasks.base import TaskPlugin, TaskSpec
+from workers.agents.runtime import AgentRun
 from workers.rollout.agent import AgentLoop, Limits, Trajectory
 from workers.rollout.chat import chat_for
 from workers.rollout.engines.base import (
@@ -89,6 +91,7 @@ class NodeConfig:
     engine_hook: str | None = None
     tool_format: str = "auto"  # the tool-call format (``workers.rollout.toolcalls``)
     chat_template: str | None = None  # a chat template's source instead of the tokenizer's
+    endpoint_host: str = "127.0.0.1"  # where agents' OpenAI-compatible endpoint listens
 
 
 @dataclass
@@ -147,6 +150,10 @@ class NodeStats:
     weight_loads: int = 0
     weight_load_s_last: float = 0.0
     weight_load_s_total: float = 0.0
+    agent_calls_replayed: int = 0  # agent tasks: calls answered from the record after a resume
+    agent_calls_live: int = 0  # ... calls served now
+    agent_generations: int = 0  # ... chat calls that ran the engine
+    agent_divergences: int = 0  # ... replays that diverged (the sample restarted from scratch)
 
 
 class NodeBroken(EngineFailure):
@@ -444,16 +451,34 @@ class RolloutNode:
             if sample.checkpoint is not None:
                 with self._lock:
                     self.stats.samples_resumed += 1
-            loop = AgentLoop(
-                self.engine, self.tokenizer, work.plugin, work.spec, claim.prompt, runner,
-                work.limits, self.chat,
-            )  # fmt: skip
-            outcome = loop.run(
-                resume=sample.checkpoint,
-                on_turn=functools.partial(self._checkpoint, lease, sample.sample_index),
-            )
+            loop: AgentLoop | AgentRun
+            if isinstance(work.spec, AgentSpec):
+                loop = AgentRun(
+                    self.engine, self.chat, work.spec, claim.prompt, runner, work.limits,
+                    endpoint_host=self.config.endpoint_host,
+                    on_divergence=functools.partial(self._diverged, claim, sample.sample_index),
+                    episode_id=lease.episode_id, sample_index=sample.sample_index,
+                )  # fmt: skip
+            else:
+                loop = AgentLoop(
+                    self.engine, self.tokenizer, work.plugin, work.spec, claim.prompt, runner,
+                    work.limits, self.chat,
+                )  # fmt: skip
+            try:
+                outcome = loop.run(
+                    resume=sample.checkpoint,
+                    on_turn=functools.partial(self._checkpoint, lease, sample.sample_index),
+                )
+            finally:
+                if isinstance(loop, AgentRun):
+                    with self._lock:
+                        self.stats.agent_calls_replayed += loop.stats.replayed
+                        self.stats.agent_calls_live += loop.stats.live
+                        self.stats.agent_generations += loop.stats.generated
             t = outcome.trajectory
             info = {"turns": outcome.turns, "stop_reason": t.stop_reason, "answer": t.answer}
+            if isinstance(loop, AgentRun):
+                info |= {"calls": t.state.get("calls", {}), "info": t.state.get("info", {})}
             self.buffer.commit(lease, sample.sample_index, t.payload(), outcome.reward, info)
             with self._lock:
                 self.stats.samples_committed += 1
@@ -536,6 +561,30 @@ class RolloutNode:
         with self._lock:
             self._active.discard(key)
             self._lost.discard(key)
+
+    def _diverged(
+        self, claim: ClaimedEpisode, sample_index: int, why: str, regenerated: int
+    ) -> None:
+        """An agent's replay diverged: counted, and an event for operators (the sample starts
+        again from scratch)."""
+        with self._lock:
+            self.stats.agent_divergences += 1
+        lease = claim.lease
+        try:
+            self.buffer.event(
+                "agent.replay_diverged",
+                f"task {claim.task_name}, episode {lease.episode_id}, sample {sample_index}: "
+                f"{why}; the sample restarts from scratch",
+                {
+                    "task": claim.task_name,
+                    "episode_id": lease.episode_id,
+                    "sample": sample_index,
+                    "chat_calls_discarded": regenerated,
+                    "worker_id": self.worker.id,
+                },
+            )
+        except Exception:  # the database is away: the count stays in the node's report
+            log.warning("could not record a replay divergence", exc_info=True)
 
     def _checkpoint(self, lease: Lease, sample_index: int, t: Trajectory) -> None:
         with self._lock:

@@ -55,6 +55,9 @@ def _serve(conn: Connection, memory_mb: int) -> None:
             msg = conn.recv()
         except EOFError:
             return
+        if msg[0] == "function":  # an agent's own callable (``call_function``)
+            _serve_function(conn, msg[1])
+            continue
         plugin, spec, prompt, state, name, arguments = msg
         conn.send(("started",))
         try:
@@ -68,6 +71,35 @@ def _serve(conn: Connection, memory_mb: int) -> None:
             last = traceback.extract_tb(e.__traceback__)[-1:]
             where = f" ({last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
             conn.send(("crash", f"{type(e).__name__}: {e}{where}", state, False))
+
+
+def _serve_function(conn: Connection, payload: bytes) -> None:
+    """Run ``(fn, args, kwargs)`` (cloudpickled: an agent's functions may live in a file that
+    is no importable module) and send back its result or its error."""
+    import asyncio
+    import inspect
+    import pickle
+
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+    except Exception as e:
+        conn.send(("started",))
+        conn.send(("crash", f"the function could not be unpickled: {type(e).__name__}: {e}"))
+        return
+    conn.send(("started",))
+    try:
+        value = fn(*args, **kwargs)
+        if inspect.isawaitable(value):
+            value = asyncio.run(_awaited(value))
+        conn.send(("ok", value))
+    except MemoryError:
+        conn.send(("crash", "the tool ran out of memory"))
+    except Exception as e:
+        conn.send(("crash", f"{type(e).__name__}: {e}"))
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
 
 
 class ToolRunner:
@@ -141,6 +173,35 @@ class ToolRunner:
         if kind == "ok":
             return ToolResult(text, new_state, done, False)
         return ToolResult(f"error: {text}", new_state, False, True)
+
+    def call_function(
+        self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float
+    ) -> tuple[bool, Any]:
+        """Run ``fn(*args, **kwargs)`` (sync or async) in the tool process within
+        ``timeout_s``: ``(True, result)`` or ``(False, why)``; a hung or crashed process is
+        killed and replaced at the next call."""
+        from ray import cloudpickle
+
+        name = getattr(fn, "__name__", "tool")
+        try:
+            payload = cloudpickle.dumps((fn, args, kwargs))
+        except Exception as e:
+            return False, f"the tool {name!r} cannot be sent to its process ({e})"
+        conn = self._ensure()
+        try:
+            conn.send(("function", payload))
+            if not conn.poll(START_TIMEOUT_S):
+                self._kill()
+                return False, f"the tool {name!r} could not be started within {START_TIMEOUT_S:g} s"
+            conn.recv()
+            if not conn.poll(timeout_s):
+                self._kill()
+                return False, f"the tool {name!r} did not answer within {timeout_s:g} s"
+            kind, value = conn.recv()
+        except (EOFError, OSError, BrokenPipeError):
+            self._kill()
+            return False, f"the tool {name!r} crashed"
+        return kind == "ok", value
 
     def close(self) -> None:
         self._kill()

@@ -1,0 +1,35 @@
+"""Write the examples' prompt files from rollcall's built-in prompt streams (deterministic:
+the same files every time). ``python examples/make_prompts.py`` rewrites them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tasks.calculator import CalculatorSpec, CalculatorTask
+from tasks.retrieval import RetrievalSpec, RetrievalTask
+
+HERE = Path(__file__).resolve().parent
+ROWS = 600  # training and held-out rows together (the config's key splits them)
+
+
+def write(path: Path, rows: list[dict[str, object]]) -> None:
+    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    print(f"{path.relative_to(HERE.parent)}: {len(rows)} rows")
+
+
+def main() -> None:
+    retrieval, rspec = RetrievalTask(), RetrievalSpec()
+    lookup = [retrieval.prompt(rspec, i) for i in range(ROWS // 2)]
+    lookup += [retrieval.eval_prompt(rspec, i) for i in range(ROWS // 2)]
+    rows = [{"question": p["question"], "answer": p["answer"]} for p in lookup]
+    write(HERE / "lookup" / "prompts.jsonl", list({r["question"]: r for r in rows}.values()))
+    calculator, cspec = CalculatorTask(), CalculatorSpec()
+    arithmetic = [calculator.prompt(cspec, i) for i in range(ROWS // 2)]
+    arithmetic += [calculator.eval_prompt(cspec, i) for i in range(ROWS // 2)]
+    rows = [{"question": p["question"], "answer": p["answer"]} for p in arithmetic]
+    write(HERE / "arithmetic.jsonl", list({r["question"]: r for r in rows}.values()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Agent functions and an engine hook for the agent tests (``tests/integration/test_agents.py``).
+
+``steady`` is a deterministic agent of four trained turns (its second and fourth through the
+node's OpenAI-compatible endpoint with the ``openai`` client, the others through ``ctx.chat``),
+each followed by a recorded ``ctx.step``. ``flaky`` puts its process id in its first message,
+so a replay in another process asks for a different call than the recorded one. Before its
+third call, ``steady`` waits until ``flaky`` has recorded two calls (both are samples of one
+episode on one node) and raises the flag ``third``; the fake at the engine seam, ``kill_third``,
+then SIGKILLs the rollout node in that generate call (once: the flag ``killed``). It logs every
+generate request's context (a digest) to ``generates`` in the flag folder, so a test can count
+the engine's calls across the node's incarnations. The flag folder is the prompt's ``flags``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from workers.agents import AgentContext, Outcome
+from workers.rollout.engines.base import Engine, Generation, GenerationRequest
+
+
+def digest(ids: list[int]) -> str:
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+
+
+def _length(text: str) -> int:
+    return len(text)
+
+
+async def steady(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    import openai
+
+    flags = Path(prompt["flags"])
+    client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": prompt["question"]}]
+    total = 0
+    for turn in range(4):
+        if turn == 2 and (flags / "arm").exists() and not (flags / "killed").exists():
+            deadline = time.monotonic() + 60
+            while not (flags / "flaky2").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (flags / "third").touch()
+        if turn % 2 == 0:
+            reply = await ctx.chat(msgs)
+            message = reply.message
+            text = reply.text
+        else:
+            out = await client.chat.completions.create(model="policy", messages=msgs)  # type: ignore[arg-type]
+            message = out.choices[0].message.model_dump(exclude_none=True)
+            text = out.choices[0].message.content or ""
+        msgs.append(message)
+        total += await ctx.step(_length, text)
+        msgs.append({"role": "user", "content": f"Go on ({turn})."})
+    await client.close()
+    return Outcome(reward=float(total % 3) / 2.0, info={"chars": total})
+
+
+async def flaky(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    flags = Path(prompt["flags"])
+    msgs = [{"role": "user", "content": f"{prompt['question']} (process {os.getpid()})"}]
+    for turn in range(3):
+        reply = await ctx.chat(msgs)
+        msgs += [reply.message, {"role": "user", "content": "Again."}]
+        if turn == 1 and not (flags / "killed").exists():
+            (flags / "flaky2").touch()  # then wait for the kill, with two calls recorded
+            deadline = time.monotonic() + 60
+            while not (flags / "killed").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+    return Outcome(reward=float(len(msgs) % 2))
+
+
+async def either(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    """``steady`` for sample 0 of an episode, ``flaky`` for the others (by the prompt's own
+    ``role`` when given)."""
+    if ctx.sample_index == 0:
+        return await steady(ctx, prompt)
+    return await flaky(ctx, prompt)
+
+
+class _KillThird:
+    def __init__(self, inner: Engine, flags: str) -> None:
+        self.inner = inner
+        self.tokenizer = inner.tokenizer
+        self.flags = Path(flags)
+
+    @property
+    def version(self) -> int:
+        return self.inner.version
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
+        with (self.flags / "generates").open("a") as f:
+            for r in requests:
+                f.write(f"{os.getpid()} {digest(r.prompt_ids)}\n")
+        if (self.flags / "third").exists() and not (self.flags / "killed").exists():
+            (self.flags / "killed").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner.generate(requests)
+
+    def load_weights(self, version: int, location: str) -> None:
+        self.inner.load_weights(version, location)
+
+    def health(self) -> Any:
+        return self.inner.health()
+
+
+def kill_third(engine: Engine, flags: str) -> Any:
+    return _KillThird(engine, flags)

@@ -1,0 +1,167 @@
+"""An OpenAI-compatible endpoint per rollout node: ``POST /v1/chat/completions``.
+
+Agents written with any framework (the ``openai`` client, LangGraph-style loops) are trained by
+pointing their client at ``ctx.base_url`` with ``ctx.api_key``: the key names the episode's
+sample, and each request is served by that episode's ``AgentContext.chat``, so it is recorded,
+replayed after a crash and trained on exactly as a ``ctx.chat`` call is (the tokens the engine
+generated, their log-probs and policy version). A key is valid while its episode runs; a
+request with another key is refused (401).
+
+The server is one per process (``shared_endpoint``), started on first use, on loopback unless
+the node is configured otherwise. Requests are served on threads; the agent's own code runs
+on the agent loop's thread. Supported: ``messages`` (system, user, assistant, tool), ``tools``
+(functions), ``max_tokens`` / ``max_completion_tokens``; the rollout's temperature is used (the
+trainer's log-probs are taken at it). ``"rollcall": {"train": false}`` in the body (the
+client's ``extra_body``) asks for an untrained call, as ``ctx.chat(..., train=False)``.
+Refused with 400: ``stream``, ``n`` > 1.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from workers.agents.api import AgentUsageError, ReplayDivergence
+
+if TYPE_CHECKING:
+    from workers.agents.runtime import AgentContext
+
+_contexts: dict[str, AgentContext] = {}
+_lock = threading.Lock()
+_servers: dict[str, Endpoint] = {}
+
+
+@contextmanager
+def registered(ctx: AgentContext) -> Iterator[None]:
+    """``ctx``'s key is valid on this process's endpoint while the block runs."""
+    with _lock:
+        _contexts[ctx.api_key] = ctx
+    try:
+        yield
+    finally:
+        with _lock:
+            _contexts.pop(ctx.api_key, None)
+
+
+def _error(status: int, message: str, kind: str) -> tuple[int, dict[str, Any]]:
+    return status, {"error": {"message": message, "type": kind, "code": status}}
+
+
+def complete(ctx: AgentContext, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """One chat completion for ``ctx`` (the HTTP status and the JSON body)."""
+    if body.get("stream"):
+        return _error(400, "streaming is not supported by rollcall's endpoint", "invalid_request")
+    if int(body.get("n") or 1) != 1:
+        return _error(400, "n must be 1", "invalid_request")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return _error(400, "messages must be a non-empty list", "invalid_request")
+    options = body.get("rollcall") or {}
+    train = bool(options.get("train", True)) if isinstance(options, dict) else True
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    tools = body.get("tools") if body.get("tool_choice") != "none" else None
+    try:
+        reply = ctx.chat_sync(messages, tools, train, int(limit) if limit else None)
+    except ReplayDivergence as e:
+        return _error(409, f"replay diverged: {e}", "replay_diverged")
+    except AgentUsageError as e:
+        return _error(400, str(e), "invalid_request")
+    finish = "tool_calls" if reply.tool_calls else reply.finish_reason
+    prompt_tokens = len(ctx.trajectory.token_ids) - reply.num_tokens if train else 0
+    return 200, {
+        "id": f"chatcmpl-{ctx.api_key[-8:]}-{len(ctx.trajectory.turn_offsets)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": str(body.get("model") or "rollcall"),
+        "choices": [
+            {"index": 0, "message": reply.message, "finish_reason": finish, "logprobs": None}
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": reply.num_tokens,
+            "total_tokens": prompt_tokens + reply.num_tokens,
+        },
+    }
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # requests are recorded in the episode, not logged one by one
+
+    def _send(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path.rstrip("/") == "/v1/models":
+            self._send(200, {"object": "list", "data": [{"id": "rollcall", "object": "model"}]})
+        else:
+            self._send(*_error(404, f"no such path {self.path}", "not_found"))
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        if self.path.rstrip("/") != "/v1/chat/completions":
+            self._send(*_error(404, f"no such path {self.path}", "not_found"))
+            return
+        auth = self.headers.get("Authorization", "")
+        key = auth.removeprefix("Bearer ").strip()
+        with _lock:
+            ctx = _contexts.get(key)
+        if ctx is None:
+            self._send(*_error(401, "unknown or expired episode key", "invalid_api_key"))
+            return
+        try:
+            body = json.loads(raw or b"{}")
+        except json.JSONDecodeError as e:
+            self._send(*_error(400, f"the body is not JSON ({e.msg})", "invalid_request"))
+            return
+        if not isinstance(body, dict):
+            self._send(*_error(400, "the body must be a JSON object", "invalid_request"))
+            return
+        try:
+            self._send(*complete(ctx, body))
+        except Exception as e:  # the engine failed: the agent's call fails, the node decides
+            ctx.failure = e
+            self._send(*_error(503, f"{type(e).__name__}: {e}", "engine_error"))
+
+
+class Endpoint:
+    """A threaded HTTP server on ``host`` (any free port)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.server = ThreadingHTTPServer((host, port), _Handler)
+        self.server.daemon_threads = True
+        self.host, self.port = host, int(self.server.server_address[1])
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, name="agent-endpoint", daemon=True
+        )
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def shared_endpoint(host: str = "127.0.0.1") -> Endpoint:
+    """This process's endpoint on ``host``, started on first use."""
+    with _lock:
+        server = _servers.get(host)
+        if server is None:
+            server = _servers[host] = Endpoint(host)
+        return server
