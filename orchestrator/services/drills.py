@@ -57,6 +57,11 @@ class DrillReport:
     resumed_turns: int = 0
     lost: int = 0
     duplicated: int = 0
+    # agent tasks (docs/agents.md): calls of the in-flight samples recorded in PostgreSQL at the
+    # fault (the resume replays them instead of generating or running them again), and of
+    # those samples committed by the report's end, the calls their resume replayed
+    agent_calls_recorded: int = 0
+    agent_calls_replayed: int = 0
     invariants_ok: bool = True
     invariant_summary: str = ""
     notes: list[str] = field(default_factory=list)
@@ -339,6 +344,7 @@ class Drills:
         samples = [s for s in at_fault if s["sample_index"] is not None]
         r.in_flight_samples = len(samples)
         r.checkpointed_turns = sum(s["num_turns"] or 0 for s in samples)
+        r.agent_calls_recorded = sum(s.get("agent_calls") or 0 for s in samples)
         with self.db.transaction() as tx:
             now = {
                 (s["episode_id"], s["sample_index"]): s
@@ -351,10 +357,17 @@ class Drills:
                 continue
             if cur["episode_status"] in ("expired", "quarantined") or cur["status"] == "expired":
                 continue  # counted on the task, its prompt requeued or shown to operators
+            r.agent_calls_replayed += cur.get("agent_replayed") or 0
             if (cur["num_tokens"] or 0) < (s["num_tokens"] or 0):
                 r.lost += 1
             else:
                 r.resumed_turns += s["num_turns"] or 0
+        if r.agent_calls_recorded:
+            r.notes.append(
+                f"agent calls: {r.agent_calls_recorded} recorded at the fault, replayed from "
+                f"PostgreSQL instead of regenerated; {r.agent_calls_replayed} replayed so far by "
+                "the samples committed since"
+            )
         report = check_invariants(self.db, self.job.id, skip=("dead_leases",))
         r.invariants_ok = report.ok
         r.invariant_summary = report.summary()

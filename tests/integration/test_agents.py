@@ -81,12 +81,45 @@ def write_prompts(path: Path, flags: Path, n: int = 40) -> Path:
 def test_an_agent_killed_mid_call_resumes_from_postgres_without_regenerating(
     ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:
+    kill_mid_call_and_replay(tiny_dir, db, engine, tmp_path)
+
+
+def test_a_bad_agent_config_is_refused_before_anything_is_written(
+    cli: Any, db_url: str, tmp_path: Path
+) -> None:
+    from tests.conftest import unchanged
+
+    write_prompts(tmp_path / "prompts.jsonl", tmp_path)
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "job: {name: bad}\n"
+        "tasks:\n"
+        "  - {name: t, agent: 'nope_module:rollout', prompts: {path: prompts.jsonl}}\n"
+    )
+    with unchanged(db_url):
+        r = cli("run", str(config), "--no-live")
+    assert r.code != 0
+    assert "agent 'nope_module:rollout': no module named 'nope_module'" in r.err, r.err
+    assert len(r.err.strip().splitlines()) == 1, r.err
+
+
+def kill_mid_call_and_replay(
+    model: Path,
+    db: Database,
+    engine: sa.Engine,
+    tmp_path: Path,
+    rollout: dict[str, Any] | None = None,
+) -> None:
+    """The job with ``either`` whose node is SIGKILLed in ``steady``'s third call; what must
+    hold after it (shared with the vLLM test, ``rollout`` overrides the node's settings)."""
     flags = tmp_path / "flags"
     flags.mkdir()
     (flags / "arm").touch()
     prompts = write_prompts(tmp_path / "prompts.jsonl", flags)
-    cfg = agent_config(tmp_path, tiny_dir, prompts, f"{HOOKS}:either")
-    driver = _driver(cfg, db, tiny_dir, tmp_path)
+    cfg = agent_config(tmp_path, model, prompts, f"{HOOKS}:either")
+    if rollout:
+        cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update=rollout)})
+    driver = _driver(cfg, db, model, tmp_path)
     driver.engine_hooks[0] = f"{HOOKS}:kill_third:{flags}"
     try:
         driver.setup()

@@ -107,6 +107,55 @@ class _KillThird:
     def health(self) -> Any:
         return self.inner.health()
 
+    def __getattr__(self, name: str) -> Any:  # the engine's other parts (vLLM's probe, close)
+        return getattr(self.inner, name)
+
 
 def kill_third(engine: Engine, flags: str) -> Any:
     return _KillThird(engine, flags)
+
+
+# -- agents for the unit tests of tools (tests/unit/test_agent_inputs.py) ----------------------
+
+
+def raising(expression: str) -> str:
+    raise ValueError(f"cannot evaluate {expression!r}")
+
+
+def hanging(expression: str) -> str:
+    while True:  # a tool that never returns (and burns its thread)
+        time.sleep(0.05)
+
+
+def answer(expression: str) -> str:
+    return "42"
+
+
+async def tool_user(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    """One trained turn, then the tool the prompt names (by ``prompt["tool"]``, with
+    ``prompt["options"]`` for ``ctx.tool``) applied to a call the agent writes itself; the
+    observation is returned as the outcome's info."""
+    from workers.agents import ToolCall
+
+    reply = await ctx.chat([{"role": "user", "content": "Compute 6 * 7."}])
+    call = ToolCall("call_x", "calc", {"expression": "6 * 7"})
+    tools = {"raising": raising, "hanging": hanging, "answer": answer}
+    message = await ctx.tool(tools[prompt["tool"]], call, **prompt.get("options", {}))
+    return Outcome(reward=float(reply.num_tokens > 0), info={"observation": message["content"]})
+
+
+def not_async(ctx: Any, prompt: Any) -> None:
+    return None
+
+
+async def one_argument(ctx: Any) -> None:
+    return None
+
+
+async def rewriter(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    """Rewrites its trained conversation instead of extending it (refused)."""
+    await ctx.chat([{"role": "user", "content": "First."}])
+    await ctx.chat(
+        [{"role": "user", "content": "Something else."}, {"role": "user", "content": "x"}]
+    )
+    return Outcome(reward=0.0)

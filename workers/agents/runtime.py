@@ -465,7 +465,7 @@ class AgentContext:
         if isolate:
             runner = self._run.tools
             result: tuple[bool, Any] = await _in_thread(
-                runner.call_function, target, (), dict(call.arguments), timeout
+                runner.call_function, target, (), dict(call.arguments), timeout, call.name
             )
             return result
         try:

@@ -175,14 +175,19 @@ class ToolRunner:
         return ToolResult(f"error: {text}", new_state, False, True)
 
     def call_function(
-        self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], timeout_s: float
+        self,
+        fn: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout_s: float,
+        name: str | None = None,
     ) -> tuple[bool, Any]:
         """Run ``fn(*args, **kwargs)`` (sync or async) in the tool process within
         ``timeout_s``: ``(True, result)`` or ``(False, why)``; a hung or crashed process is
         killed and replaced at the next call."""
         from ray import cloudpickle
 
-        name = getattr(fn, "__name__", "tool")
+        name = name or getattr(fn, "__name__", "tool")
         try:
             payload = cloudpickle.dumps((fn, args, kwargs))
         except Exception as e:

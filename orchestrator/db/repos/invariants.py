@@ -105,7 +105,10 @@ class InvariantRepository:
             text(
                 """
                 SELECT e.id AS episode_id, e.task_id, tr.sample_index, tr.status::text AS status,
-                       tr.num_turns, tr.num_tokens
+                       tr.num_turns, tr.num_tokens,
+                       CASE jsonb_typeof(tr.env_state->'state'->'journal')
+                            WHEN 'array' THEN jsonb_array_length(tr.env_state->'state'->'journal')
+                            ELSE 0 END AS agent_calls
                 FROM episodes e
                 LEFT JOIN trajectories tr ON tr.task_id = e.task_id AND tr.episode_id = e.id
                 WHERE e.lease_owner = :w AND e.status = 'leased'
@@ -121,7 +124,8 @@ class InvariantRepository:
             text(
                 """
                 SELECT e.id AS episode_id, e.status::text AS episode_status, tr.sample_index,
-                       tr.status::text AS status, tr.num_turns, tr.num_tokens
+                       tr.status::text AS status, tr.num_turns, tr.num_tokens,
+                       COALESCE((tr.reward_info->'calls'->>'replayed')::int, 0) AS agent_replayed
                 FROM episodes e
                 LEFT JOIN trajectories tr ON tr.task_id = e.task_id AND tr.episode_id = e.id
                 WHERE e.id = ANY(:ids) ORDER BY e.id, tr.sample_index

@@ -1,0 +1,33 @@
+"""Agent functions on a vLLM node (CPU build): the job of ``tests/integration/test_agents.py``
+(an agent through ``ctx.chat`` and the OpenAI endpoint, and a non-deterministic one), its node
+SIGKILLed in the middle of the agent's third call. Its first two calls come back from
+PostgreSQL, none is generated again, the divergent replay is reported, nothing is lost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from orchestrator.config import VLLMEngineConfig
+from orchestrator.db.engine import Database
+from tests.integration.test_agents import kill_mid_call_and_replay
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_an_agent_on_vllm_killed_mid_call_resumes_without_regenerating(
+    ray_local: Any, vllm_tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
+) -> None:
+    kill_mid_call_and_replay(
+        vllm_tiny_dir,
+        db,
+        engine,
+        tmp_path,
+        {
+            "engine": VLLMEngineConfig(kind="vllm", device="cpu", dtype="float32"),
+            "start_timeout_s": 300.0,
+        },
+    )
