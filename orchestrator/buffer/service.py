@@ -409,7 +409,10 @@ class Buffer:
             return self._claimed(tx, row, worker_id)
 
     def _claimed(self, tx: Tx, row: LeasedRow, worker_id: int) -> ClaimedEpisode:
-        if row.attempts > 1:
+        # An episode claimed before may hold checkpoints: its lease epoch moved past the first
+        # claim's (1), whether or not that claim counted as an attempt (an engine failure's
+        # requeue gives the attempt back, so ``attempts`` alone would miss them).
+        if row.lease_epoch > 1:
             samples = tx.trajectories.samples_for_resume(row.task_id, row.id, row.group_size)
         else:
             samples = tuple(SampleState(i, "new") for i in range(row.group_size))

@@ -232,6 +232,34 @@ def test_resume_hands_checkpoints_to_the_next_claimer(db: Database, engine: sa.E
     assert scalar(engine, "SELECT requeued_leases FROM tasks") == 1
 
 
+@pytest.mark.parametrize("how", ["give_back", "release_uncounted"])
+def test_an_uncounted_requeue_still_hands_checkpoints_to_the_next_claimer(
+    db: Database, how: str
+) -> None:
+    """An engine failure gives the episode back without counting the claim as an attempt (its
+    ``attempts`` go back to 0); the next claimer must still resume its checkpointed samples,
+    not start them again."""
+    add_tasks(db, {"name": "a", "group_size": 2})
+    buf = make_buffer(db, batch_groups=1)
+    buf.seed()
+    w1 = buf.register_worker("r0")
+    c1 = buf.claim(w1.id)
+    assert c1 is not None and c1.attempts == 1
+    turn1 = payload(0, n_tokens=12, turns=2, seed=5)
+    buf.checkpoint(c1.lease, 0, turn1)
+    if how == "give_back":
+        assert buf.give_back(w1.id, "the engine died").requeued == 1
+    else:
+        buf.release(c1.lease, "the engine died", counted=False)
+    w2 = buf.register_worker("r1")
+    c2 = buf.claim(w2.id)
+    assert c2 is not None and c2.lease.episode_id == c1.lease.episode_id
+    assert c2.attempts == 1  # not counted
+    assert [s.status for s in c2.samples] == ["in_progress", "new"]
+    ck = c2.samples[0].checkpoint
+    assert ck is not None and ck.same_as(turn1)
+
+
 def test_poison_episode_is_quarantined_and_others_keep_going(
     db: Database, engine: sa.Engine
 ) -> None:
