@@ -391,6 +391,11 @@ class RolloutConfig(StrictModel):
         description="a tool call not answered by then is an error observation (the tool "
         "process is replaced)",
     )
+    agent_endpoint_host: str = Field(
+        default="127.0.0.1",
+        description="where each node's OpenAI-compatible endpoint for agent tasks listens "
+        "(docs/agents.md); loopback unless agents call it from other hosts",
+    )
     max_restarts: Annotated[int, b.RESTARTS.field()] = Field(
         default=5, description="restarts of one node slot within restart_window_s"
     )

@@ -66,6 +66,7 @@ def resolve_ref(ref: str) -> str:
 
 
 _IMPORT_LOCK = threading.Lock()
+AGENT_FILE_MODULE = "rollcall_agent_"  # the prefix of the modules agent files are loaded as
 
 
 def _module(where: str, ref: str) -> Any:
@@ -75,7 +76,7 @@ def _module(where: str, ref: str) -> Any:
             raise AgentSpecError(f"agent {ref!r}: no such file {where}")
         # one module per file, named by its path, so the same file is one module in a process
         digest = hashlib.sha256(str(path).encode()).hexdigest()[:12]
-        name = f"rollcall_agent_{path.stem}_{digest}"
+        name = f"{AGENT_FILE_MODULE}{path.stem}_{digest}"
         with _IMPORT_LOCK:  # threads validating at once must not see a half-run module
             return _file_module(name, path, where, ref)
     try:
@@ -288,7 +289,11 @@ class AgentSpec(TaskSpec):
         default=8, ge=1, le=256, description="trained ctx.chat calls per trajectory"
     )
     tool_timeout_s: float = Field(
-        default=30.0, gt=0, description="default timeout of ctx.tool and ctx.step calls"
+        default=5.0,
+        gt=0,
+        description="default timeout of ctx.tool and ctx.step calls (with the heartbeat "
+        "timeout, below control_plane.progress_timeout_s: a node whose loops all wait on tools "
+        "makes no progress)",
     )
 
     @field_validator("agent")

@@ -75,6 +75,8 @@ def preview(
     )
     task_spec = plugin.Spec.model_validate(spec_data)
 
+    from tasks.agent import AgentSpec
+    from workers.agents.runtime import AgentRun
     from workers.rollout.agent import AgentLoop, Limits
     from workers.rollout.chat import Chat, ChatTemplateError
     from workers.rollout.engines.hf import HFEngine
@@ -99,9 +101,12 @@ def preview(
     with ToolRunner() as runner:
         for i in range(n):
             prompt = plugin.eval_prompt(task_spec, i) if held_out else plugin.prompt(task_spec, i)
-            outcome = AgentLoop(
-                engine, engine.tokenizer, plugin, task_spec, prompt, runner, limits, chat
-            ).run()
+            if isinstance(task_spec, AgentSpec):  # the user's own agent function
+                outcome = AgentRun(engine, chat, task_spec, prompt, runner, limits).run()
+            else:
+                outcome = AgentLoop(
+                    engine, engine.tokenizer, plugin, task_spec, prompt, runner, limits, chat
+                ).run()
             t = outcome.trajectory
             episodes.append(
                 {

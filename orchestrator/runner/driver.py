@@ -142,12 +142,15 @@ class JobDriver(TrainerControl):
     def setup(self) -> None:
         from orchestrator.quotas import BatchPolicy
         from orchestrator.services.jobs import create_job
-        from orchestrator.services.tasks import ensure_tasks
+        from orchestrator.services.tasks import check_agent_tasks, ensure_tasks
 
         cfg = self.cfg
         sync = cfg.run.mode == "sync"
         if not cfg.tasks:
             raise UserError("the config has no tasks; add at least one under tasks:")
+        cp = cfg.control_plane
+        room = cp.progress_timeout_s - cp.heartbeat_timeout_s
+        check_agent_tasks(cfg.tasks, cfg.run.eval.episodes, room)
         with self.db.transaction() as tx:
             job = tx.jobs.get_by_name(cfg.job.name)
             if job is None and self.resume:
@@ -309,6 +312,7 @@ class JobDriver(TrainerControl):
                 tool_format=self.cfg.model.tool_format,
                 chat_template=self.chat_template,
                 engine_hook=self.engine_hooks.get(index),
+                endpoint_host=r.agent_endpoint_host,
             ),
             self.cfg.buffer,
         )

@@ -98,6 +98,31 @@ def validate_spec(plugin_name: str, data: dict[str, Any], source: str) -> dict[s
     return spec.model_dump(mode="json")
 
 
+def check_agent_tasks(
+    tasks: list[Any], eval_episodes: int, progress_room_s: float = float("inf")
+) -> None:
+    """Agent tasks' specs checked before a job is created (their function, their prompts),
+    with evaluation on, that their prompts hold held-out rows, and that their tool timeout
+    stays within ``progress_room_s`` (the progress timeout less the heartbeat timeout)."""
+    from tasks.agent import AgentSpec, prompt_rows
+
+    for t in tasks:
+        if t.plugin != "agent":
+            continue
+        spec = AgentSpec.model_validate(validate_spec(t.plugin, t.spec, f"tasks {t.name}"))
+        if spec.tool_timeout_s >= progress_room_s:
+            raise UserError(
+                f"task {t.name}: spec.tool_timeout_s ({spec.tool_timeout_s:g}) must stay below "
+                "control_plane.progress_timeout_s - control_plane.heartbeat_timeout_s "
+                f"({progress_room_s:g}): a node whose agents all wait on tools would read as hung"
+            )
+        if eval_episodes > 0 and not prompt_rows(spec.prompts)[1]:
+            raise UserError(
+                f"task {t.name}: its prompts have no held-out rows to evaluate on; raise "
+                "prompts.held_out_per_mille or set run.eval.episodes to 0"
+            )
+
+
 def resolve_plugin(name: str) -> None:
     try:
         registry.get(name)

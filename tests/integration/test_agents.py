@@ -49,7 +49,9 @@ def agent_config(tmp: Path, model: Path, prompts: Path, agent: str, **over: Any)
             "seed_interval_s": 0.5,
             "dead_sweep_interval_s": 0.5,
             "heartbeat_timeout_s": 5.0,
-            "progress_timeout_s": 10.0,
+            # the kill is found by the actor's death; a busy machine (a vLLM start beside the
+            # trainer on 2 cores) must not make a slow first generation read as a hang
+            "progress_timeout_s": 45.0,
             "supervise_interval_s": 0.5,
         },
         "run": {"dir": str(tmp / "run"), "total_steps": 3, "eval": {"every": 0, "episodes": 0}},
@@ -68,10 +70,11 @@ def agent_config(tmp: Path, model: Path, prompts: Path, agent: str, **over: Any)
     return RollcallConfig.model_validate(data)
 
 
-def write_prompts(path: Path, flags: Path, n: int = 40) -> Path:
+def write_prompts(path: Path, flags: Path, n: int = 40, **extra: Any) -> Path:
     path.write_text(
         "".join(
-            json.dumps({"question": f"Question {i}: say something.", "flags": str(flags)}) + "\n"
+            json.dumps({"question": f"Question {i}: say something.", "flags": str(flags), **extra})
+            + "\n"
             for i in range(n)
         )
     )
@@ -101,6 +104,18 @@ def test_a_bad_agent_config_is_refused_before_anything_is_written(
     assert r.code != 0
     assert "agent 'nope_module:rollout': no module named 'nope_module'" in r.err, r.err
     assert len(r.err.strip().splitlines()) == 1, r.err
+    # evaluation asked for, and no prompt held out for it
+    config.write_text(
+        "job: {name: bad}\n"
+        "run: {eval: {episodes: 4}}\n"
+        "tasks:\n"
+        f"  - {{name: t, agent: '{HOOKS}:steady', prompts: {{path: prompts.jsonl, "
+        "held_out_per_mille: 0}}\n"
+    )
+    with unchanged(db_url):
+        r = cli("run", str(config), "--no-live")
+    assert r.code != 0
+    assert "task t: its prompts have no held-out rows to evaluate on" in r.err, r.err
 
 
 def kill_mid_call_and_replay(
@@ -109,18 +124,22 @@ def kill_mid_call_and_replay(
     engine: sa.Engine,
     tmp_path: Path,
     rollout: dict[str, Any] | None = None,
-) -> None:
-    """The job with ``either`` whose node is SIGKILLed in ``steady``'s third call; what must
-    hold after it (shared with the vLLM test, ``rollout`` overrides the node's settings)."""
+    *,
+    hook: str = "kill_third",
+    endpoint_turns: tuple[int, ...] = (1, 3),
+) -> dict[str, Any]:
+    """The job with ``either`` whose node (``hook``) is SIGKILLed in ``steady``'s third call
+    (through the endpoint when ``endpoint_turns`` holds 2); what must hold after it (shared
+    with the vLLM tests, ``rollout`` overrides the node's settings). Returns the figures."""
     flags = tmp_path / "flags"
     flags.mkdir()
     (flags / "arm").touch()
-    prompts = write_prompts(tmp_path / "prompts.jsonl", flags)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", flags, endpoint_turns=list(endpoint_turns))
     cfg = agent_config(tmp_path, model, prompts, f"{HOOKS}:either")
     if rollout:
         cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update=rollout)})
     driver = _driver(cfg, db, model, tmp_path)
-    driver.engine_hooks[0] = f"{HOOKS}:kill_third:{flags}"
+    driver.engine_hooks[0] = f"{HOOKS}:{hook}:{flags}"
     try:
         driver.setup()
         result = driver.run()
@@ -159,7 +178,9 @@ def kill_mid_call_and_replay(
     # steady: two chat calls and two steps replayed from PostgreSQL; the engine generated its
     # first two contexts once only, and the third twice (the call in flight when killed)
     steady = [r for r in resumed if r[1] == 0]
-    assert len(steady) == 1, resumed
+    infos = [(e, s, i) for e, s, *_, i in trajectories]
+    infos.append(rows(engine, "SELECT kind, message FROM events ORDER BY id"))  # type: ignore[arg-type]
+    assert len(steady) == 1, f"no resumed sample 0 of steady: {infos}"
     _, _, ids, offsets, info = steady[0]
     assert info["calls"]["replayed"] == 4, info
     assert len(offsets) == 4
@@ -171,7 +192,7 @@ def kill_mid_call_and_replay(
     events = rows(
         engine, "SELECT message, payload FROM events WHERE kind = 'agent.replay_diverged'"
     )
-    assert len(events) == 1, events
+    assert len(events) == 1, f"divergence events: {events}; samples: {infos}"
     message, payload = events[0]
     assert payload["sample"] == 1 and payload["chat_calls_discarded"] == 2, payload
     assert "not deterministic" in message, message
@@ -186,3 +207,4 @@ def kill_mid_call_and_replay(
     assert steps, "no step trained on-policy tokens"
     for s in steps:
         assert abs(s["is_weight_onpolicy_mean"] - 1) < 1e-3, s
+    return {"generate_calls_per_turn": counts, "calls": info["calls"], "divergence": message}

@@ -45,7 +45,7 @@ async def steady(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
             while not (flags / "flaky2").exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
             (flags / "third").touch()
-        if turn % 2 == 0:
+        if turn not in prompt.get("endpoint_turns", (1, 3)):
             reply = await ctx.chat(msgs)
             message = reply.message
             text = reply.text
@@ -66,7 +66,7 @@ async def flaky(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
     for turn in range(3):
         reply = await ctx.chat(msgs)
         msgs += [reply.message, {"role": "user", "content": "Again."}]
-        if turn == 1 and not (flags / "killed").exists():
+        if turn == 1 and (flags / "arm").exists() and not (flags / "killed").exists():
             (flags / "flaky2").touch()  # then wait for the kill, with two calls recorded
             deadline = time.monotonic() + 60
             while not (flags / "killed").exists() and time.monotonic() < deadline:
@@ -83,8 +83,9 @@ async def either(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
 
 
 class _KillThird:
-    def __init__(self, inner: Engine, flags: str) -> None:
+    def __init__(self, inner: Engine, flags: str, engine_core: bool = False) -> None:
         self.inner = inner
+        self.engine_core = engine_core
         self.tokenizer = inner.tokenizer
         self.flags = Path(flags)
 
@@ -98,7 +99,16 @@ class _KillThird:
                 f.write(f"{os.getpid()} {digest(r.prompt_ids)}\n")
         if (self.flags / "third").exists() and not (self.flags / "killed").exists():
             (self.flags / "killed").touch()
-            os.kill(os.getpid(), signal.SIGKILL)
+            if self.engine_core:  # vLLM's EngineCore (and its worker) die; the actor lives
+                pids = self.inner.engine_pids()  # type: ignore[attr-defined]
+                (self.flags / "engine_pids").write_text(" ".join(map(str, pids)))
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 60  # until vLLM itself knows: this call fails
+                while self.inner.failure() is None and time.monotonic() < deadline:  # type: ignore[attr-defined]
+                    time.sleep(0.05)
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
         return self.inner.generate(requests)
 
     def load_weights(self, version: int, location: str) -> None:
@@ -113,6 +123,11 @@ class _KillThird:
 
 def kill_third(engine: Engine, flags: str) -> Any:
     return _KillThird(engine, flags)
+
+
+def kill_engine_third(engine: Engine, flags: str) -> Any:
+    """As ``kill_third``, but SIGKILLs vLLM's EngineCore processes instead of the node."""
+    return _KillThird(engine, flags, engine_core=True)
 
 
 # -- agents for the unit tests of tools (tests/unit/test_agent_inputs.py) ----------------------

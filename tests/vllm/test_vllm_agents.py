@@ -18,16 +18,27 @@ from tests.integration.test_agents import kill_mid_call_and_replay
 pytestmark = pytest.mark.timeout(900)
 
 
-def test_an_agent_on_vllm_killed_mid_call_resumes_without_regenerating(
+VLLM = {
+    "engine": VLLMEngineConfig(kind="vllm", device="cpu", dtype="float32"),
+    "start_timeout_s": 300.0,
+}
+
+
+def test_an_openai_client_agent_on_vllm_killed_mid_call_resumes_without_regenerating(
     ray_local: Any, vllm_tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:
-    kill_mid_call_and_replay(
-        vllm_tiny_dir,
-        db,
-        engine,
-        tmp_path,
-        {
-            "engine": VLLMEngineConfig(kind="vllm", device="cpu", dtype="float32"),
-            "start_timeout_s": 300.0,
-        },
+    """The node SIGKILLed while the agent's third call, an HTTP request to the node's endpoint,
+    generates."""
+    got = kill_mid_call_and_replay(vllm_tiny_dir, db, engine, tmp_path, VLLM, endpoint_turns=(0, 2))
+    print("vLLM, node killed in an endpoint call:", got)
+
+
+def test_an_agent_on_vllm_whose_engine_core_dies_mid_call_resumes_without_regenerating(
+    ray_local: Any, vllm_tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
+) -> None:
+    """vLLM's EngineCore SIGKILLed in the agent's third call (a ``ctx.chat``): the actor lives,
+    learns of the death, gives its episodes back uncounted and is restarted."""
+    got = kill_mid_call_and_replay(
+        vllm_tiny_dir, db, engine, tmp_path, VLLM, hook="kill_engine_third"
     )
+    print("vLLM, EngineCore killed in a ctx.chat call:", got)

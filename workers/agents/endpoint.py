@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from workers.agents.api import AgentUsageError, ReplayDivergence
+from workers.agents.api import AgentUsageError, ContextLimit, ReplayDivergence
 
 if TYPE_CHECKING:
     from workers.agents.runtime import AgentContext
@@ -69,6 +69,10 @@ def complete(ctx: AgentContext, body: dict[str, Any]) -> tuple[int, dict[str, An
         reply = ctx.chat_sync(messages, tools, train, int(limit) if limit else None)
     except ReplayDivergence as e:
         return _error(409, f"replay diverged: {e}", "replay_diverged")
+    except ContextLimit as e:  # the trajectory is full: OpenAI's own code for it
+        status, body = _error(400, str(e), "invalid_request_error")
+        body["error"]["code"] = "context_length_exceeded"
+        return status, body
     except AgentUsageError as e:
         return _error(400, str(e), "invalid_request")
     finish = "tool_calls" if reply.tool_calls else reply.finish_reason

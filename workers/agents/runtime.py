@@ -25,13 +25,14 @@ import inspect
 import json
 import logging
 import secrets
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.agent import AgentSpec, load_agent
+from tasks.agent import AGENT_FILE_MODULE, AgentSpec, load_agent
 from tasks.base import Tool
 from workers.agents.api import (
     AgentUsageError,
@@ -226,8 +227,8 @@ class AgentContext:
             if slot.entry is not None:
                 return slot.entry["r"]["v"]
             value = await _bounded(fn, args, kwargs, timeout)
-            try:
-                json.dumps(value)
+            try:  # what replay returns is the value read back from JSON: so is the live one
+                value = json.loads(json.dumps(value))
             except (TypeError, ValueError):
                 raise AgentUsageError(
                     f"ctx.step({name}): its result must be JSON-serialisable to be recorded; "
@@ -341,7 +342,7 @@ class AgentContext:
             logprobs = saved.logprobs[r["s"] : r["e"]]
             finish, version = str(r["f"]), int(r["v"])
         else:
-            gen = self._run.generate(t.token_ids + segment, budget)
+            gen = self._generate(t.token_ids + segment, budget)
             ids, logprobs, finish, version = (
                 gen.token_ids,
                 gen.logprobs,
@@ -359,6 +360,7 @@ class AgentContext:
         self._conv = [*msgs, {"role": "assistant", "content": reply.message.get("content") or ""}]
         self._render = [*render, {"role": "assistant", "content": ""}]
         self._ended = finish == "stop"
+        t.answer = reply.answer  # the last trained turn's answer, shown with the sample
         return reply, {"s": start, "e": start + len(ids), "f": finish, "v": version}
 
     def _untrained(
@@ -372,10 +374,19 @@ class AgentContext:
             r = entry["r"]
             return self._reply(list(r["t"]), str(r["f"]), int(r["v"])), r
         ids = self._run.chat.messages_ids(self._system(msgs, tools), tools)
-        gen = self._run.generate(ids, self._budget(0, max_tokens, trained=False))
+        gen = self._generate(ids, self._budget(0, max_tokens, trained=False))
         self.stats.generated += 1
         result = {"t": gen.token_ids, "f": gen.finish_reason, "v": gen.version}
         return self._reply(gen.token_ids, gen.finish_reason, gen.version), result
+
+    def _generate(self, context: list[int], budget: int) -> Any:
+        """The engine's generation; its failure is the node's, whatever the agent does with it
+        (an agent that catches it still ends the episode as the engine's failure)."""
+        try:
+            return self._run.generate(context, budget)
+        except BaseException as e:
+            self.failure = e
+            raise
 
     def _reply(self, ids: list[int], finish: str, version: int) -> Reply:
         chat = self._run.chat
@@ -430,7 +441,11 @@ class AgentContext:
             return
         self.stats.live += 1
         if self._on_call is not None:
-            self._on_call(self.trajectory)
+            try:
+                self._on_call(self.trajectory)
+            except BaseException as e:  # the checkpoint failed or the lease moved on
+                self.failure = e
+                raise
 
     def _enter(self) -> None:
         with self._lock:
@@ -464,6 +479,7 @@ class AgentContext:
         timeout = float(timeout_s if timeout_s is not None else self._run.spec.tool_timeout_s)
         if isolate:
             runner = self._run.tools
+            _by_value(target)
             result: tuple[bool, Any] = await _in_thread(
                 runner.call_function, target, (), dict(call.arguments), timeout, call.name
             )
@@ -503,6 +519,16 @@ class _AsyncSlot:
                 )
         finally:
             self.ctx._busy = False
+
+
+def _by_value(fn: Any) -> None:
+    """A function from an agent file (``tasks.agent`` imports it under a name no other process
+    knows) is sent to the tool process by value, not by a reference it could not import."""
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    if module is not None and module.__name__.startswith(AGENT_FILE_MODULE):
+        from ray import cloudpickle
+
+        cloudpickle.register_pickle_by_value(module)
 
 
 def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
@@ -641,6 +667,8 @@ class AgentRun:
             raise
         if ctx.diverged is not None:
             return 0.0, "diverged", {}
+        if ctx.failure is not None:  # the agent caught the engine's or the lease's failure
+            raise ctx.failure
         if isinstance(result, Outcome):
             return float(result.reward), "returned", dict(result.info)
         if isinstance(result, int | float) and not isinstance(result, bool):
