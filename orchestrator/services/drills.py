@@ -58,8 +58,8 @@ class DrillReport:
     lost: int = 0
     duplicated: int = 0
     # agent tasks (docs/agents.md): calls of the in-flight samples recorded in PostgreSQL at the
-    # fault (the resume replays them instead of generating or running them again), and of
-    # those samples committed by the report's end, the calls their resume replayed
+    # fault, and the calls their resume replayed instead of generating or running them again
+    # (counted once those samples are committed, within the drill's timeout)
     agent_calls_recorded: int = 0
     agent_calls_replayed: int = 0
     invariants_ok: bool = True
@@ -344,18 +344,24 @@ class Drills:
         samples = [s for s in at_fault if s["sample_index"] is not None]
         r.in_flight_samples = len(samples)
         r.checkpointed_turns = sum(s["num_turns"] or 0 for s in samples)
-        r.agent_calls_recorded = sum(s.get("agent_calls") or 0 for s in samples)
+        r.agent_calls_recorded = sum(
+            s.get("agent_calls") or 0 for s in samples if s["status"] == "in_progress"
+        )
+        if r.agent_calls_recorded:  # an agent task's samples: count the calls their resume
+            self._wait(lambda: self._settled(episodes))  # replays, once they are committed
         with self.db.transaction() as tx:
             now = {
                 (s["episode_id"], s["sample_index"]): s
                 for s in tx.invariants.samples_of_episodes(episodes)
             }
+        stale = 0  # recorded calls of samples expired (stale) or quarantined since the fault
         for s in samples:
             cur = now.get((s["episode_id"], s["sample_index"]))
             if cur is None:
                 r.lost += 1
                 continue
             if cur["episode_status"] in ("expired", "quarantined") or cur["status"] == "expired":
+                stale += s.get("agent_calls") or 0 if s["status"] == "in_progress" else 0
                 continue  # counted on the task, its prompt requeued or shown to operators
             r.agent_calls_replayed += cur.get("agent_replayed") or 0
             if (cur["num_tokens"] or 0) < (s["num_tokens"] or 0):
@@ -364,14 +370,22 @@ class Drills:
                 r.resumed_turns += s["num_turns"] or 0
         if r.agent_calls_recorded:
             r.notes.append(
-                f"agent calls: {r.agent_calls_recorded} recorded at the fault, replayed from "
-                f"PostgreSQL instead of regenerated; {r.agent_calls_replayed} replayed so far by "
-                "the samples committed since"
+                f"agent calls: {r.agent_calls_recorded} recorded at the fault; the resumed "
+                f"samples replayed {r.agent_calls_replayed} from PostgreSQL instead of "
+                "generating or running them again"
+                + (f" ({stale} were of samples expired as stale since)" if stale else "")
             )
         report = check_invariants(self.db, self.job.id, skip=("dead_leases",))
         r.invariants_ok = report.ok
         r.invariant_summary = report.summary()
         r.duplicated = len(report.violations.get("trained_once", []))
+
+    def _settled(self, episode_ids: list[int]) -> bool:
+        """Whether no sample of these episodes is in progress any more."""
+        with self.db.transaction() as tx:
+            return all(
+                s["status"] != "in_progress" for s in tx.invariants.samples_of_episodes(episode_ids)
+            )
 
     def _finish(self, r: DrillReport) -> None:
         with self.db.transaction() as tx:
