@@ -74,6 +74,7 @@ def test_plugins(cli: Any) -> None:
     assert r.code == 0
     rows = json.loads(r.out)
     assert [(p["name"], p["source"]) for p in rows] == [
+        ("agent", "agent"),  # the plugin of agent tasks (your own agent function)
         ("calculator", "builtin"), ("echo", "builtin"), ("guess", "builtin"),
         ("longtail", "benchmark"),  # the pipeline benchmark's timing model, listed as such
         ("retrieval", "builtin"),
