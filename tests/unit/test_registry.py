@@ -16,7 +16,9 @@ def test_echo_is_registered_and_implements_protocol() -> None:
 
 
 def test_unknown_plugin_lists_available() -> None:
-    with pytest.raises(registry.UnknownPluginError, match="available plugins: agent, calculator, echo"):
+    with pytest.raises(
+        registry.UnknownPluginError, match="available plugins: agent, calculator, echo"
+    ):
         registry.get("tasks.echo:EchoTask")  # an import path is not a plugin name
 
 
