@@ -158,6 +158,17 @@ class BufferConfig(StrictModel):
         description="how long a database operation is retried during an outage (< lease_s); "
         "default min(30, lease_s / 2)",
     )
+    payload_retention_steps: Annotated[int, b.RETENTION_STEPS.field()] | None = Field(
+        default=100,
+        description="payloads (tokens, masks, log-probs) of trajectories consumed this many "
+        "steps ago, and of groups expired before then, are dropped; their metadata (rewards, "
+        "versions, steps) stays; null: kept",
+    )
+    payload_retention_s: Seconds | None = Field(
+        default=None,
+        description="also drop the payloads of steps committed longer ago than this; null: no "
+        "age limit",
+    )
 
     @property
     def retry_window(self) -> float:
@@ -600,6 +611,11 @@ class ControlPlaneConfig(StrictModel):
     )
     supervise_interval_s: Seconds = Field(
         default=1.0, description="seconds between supervisor passes (restarting down nodes)"
+    )
+    retention_interval_s: Seconds = Field(
+        default=30.0,
+        description="seconds between retention passes (buffer.payload_retention_steps, "
+        "buffer.payload_retention_s)",
     )
 
 

@@ -250,12 +250,13 @@ class TrajectoryPayload:
     def min_version(self) -> int | None:
         return min(self.turn_versions) if self.turn_versions else None
 
-    def encoded(self) -> dict[str, Any]:
-        """Column values for the ``trajectories`` table."""
+    def encoded(self, start: int = 0) -> dict[str, Any]:
+        """Column values for the ``trajectories`` table, with the payload's tokens from
+        ``start`` on (a ``trajectory_segments`` row)."""
         return {
-            "token_ids": encode(self.token_ids, TOKEN_DTYPE),
-            "loss_mask": encode(self.loss_mask, MASK_DTYPE),
-            "behaviour_logprobs": encode(self.behaviour_logprobs, LOGPROB_DTYPE),
+            "token_ids": encode(self.token_ids[start:], TOKEN_DTYPE),
+            "loss_mask": encode(self.loss_mask[start:], MASK_DTYPE),
+            "behaviour_logprobs": encode(self.behaviour_logprobs[start:], LOGPROB_DTYPE),
             "num_tokens": self.num_tokens,
             "prompt_tokens": self.prompt_tokens,
             "num_turns": len(self.turn_offsets),
@@ -266,12 +267,26 @@ class TrajectoryPayload:
             "finished": self.finished,
         }
 
+    def extends(self, prefix: TrajectoryPayload) -> bool:
+        """Whether this payload's first tokens are exactly ``prefix``'s (mask and log-probs
+        too): then only the tokens past them are new."""
+        n = prefix.num_tokens
+        return (
+            n <= self.num_tokens
+            and np.array_equal(self.token_ids[:n], prefix.token_ids)
+            and np.array_equal(self.loss_mask[:n], prefix.loss_mask)
+            and np.array_equal(self.behaviour_logprobs[:n], prefix.behaviour_logprobs)
+        )
+
     @classmethod
-    def from_columns(cls, row: Any) -> TrajectoryPayload:
+    def from_columns(
+        cls, row: Any, token_ids: bytes, loss_mask: bytes, behaviour_logprobs: bytes
+    ) -> TrajectoryPayload:
+        """A payload from a ``trajectories`` row and its segments' bytes, concatenated."""
         return cls(
-            token_ids=decode(row.token_ids, TOKEN_DTYPE),
-            loss_mask=decode(row.loss_mask, MASK_DTYPE),
-            behaviour_logprobs=decode(row.behaviour_logprobs, LOGPROB_DTYPE),
+            token_ids=decode(token_ids, TOKEN_DTYPE),
+            loss_mask=decode(loss_mask, MASK_DTYPE),
+            behaviour_logprobs=decode(behaviour_logprobs, LOGPROB_DTYPE),
             turn_offsets=tuple(row.turn_offsets or ()),
             turn_versions=tuple(row.turn_versions or ()),
             prompt_tokens=row.prompt_tokens,

@@ -58,3 +58,8 @@ class DatabaseUnavailableError(UserError):
     """The database could not be reached or started."""
 
     exit_code = 6
+
+
+class PayloadMissingError(Exception):
+    """A trajectory's stored segments do not cover its tokens: its payload was dropped by
+    retention, or the table was changed by hand. Never expected on the job's own paths."""

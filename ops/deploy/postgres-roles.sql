@@ -51,7 +51,8 @@ REVOKE ALL ON SCHEMA public FROM PUBLIC;
 GRANT USAGE ON SCHEMA public TO rollcall_runtime;
 
 -- what the migrations create (as the migrator) is usable by the runtime role: data, not DDL.
--- No DELETE: rollcall never deletes rows (ended work keeps its end state).
+-- No DELETE: rollcall never deletes rows (ended work keeps its end state), except payload
+-- segments (a replaced checkpoint, retention), which migration 0005 grants on that one table.
 ALTER DEFAULT PRIVILEGES FOR ROLE rollcall_migrator IN SCHEMA public
     GRANT SELECT, INSERT, UPDATE ON TABLES TO rollcall_runtime;
 ALTER DEFAULT PRIVILEGES FOR ROLE rollcall_migrator IN SCHEMA public

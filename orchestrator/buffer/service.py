@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from orchestrator.buffer.stored import StoredPrefixes
 from orchestrator.buffer.timings import OpTimings, timed
 from orchestrator.buffer.types import (
     Batch,
@@ -66,6 +67,9 @@ log = logging.getLogger(__name__)
 
 ACTOR = "control-plane"
 _MOVED_ON = "the lease has moved on (requeued or expired)"
+# Steps whose payloads one retention pass drops at most (a job that turns retention on late
+# catches up over several passes instead of one long transaction).
+RETENTION_STEPS_PER_PASS = 20
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,9 @@ class Buffer:
         # episode id; a finished group's samples never change, only their status does.
         self._prefetched: dict[int, tuple[BatchTrajectory, ...]] = {}
         self._prefetch_lock = threading.Lock()
+        # What this writer has stored of each sample it holds: checkpoints append new turns.
+        self._stored = StoredPrefixes()
+        self._retained_through = -1  # payloads of steps up to this one were dropped
 
     # -- control plane ------------------------------------------------------------------------
 
@@ -414,6 +421,11 @@ class Buffer:
         # requeue gives the attempt back, so ``attempts`` alone would miss them).
         if row.lease_epoch > 1:
             samples = tx.trajectories.samples_for_resume(row.task_id, row.id, row.group_size)
+            for sample in samples:
+                if sample.checkpoint is not None:
+                    self._stored.stored(
+                        (row.id, row.lease_epoch, sample.sample_index), sample.checkpoint
+                    )
         else:
             samples = tuple(SampleState(i, "new") for i in range(row.group_size))
         published = tx.batches.published_weights(self.job_id)
@@ -465,6 +477,7 @@ class Buffer:
         """The worker gives the episode up: requeue or quarantine (its rollout failed), or,
         with ``counted=False`` (its engine failed, not the episode), requeue without counting
         the attempt."""
+        self._stored.forget_episode(lease.episode_id)
         with self.db.transaction() as tx:
             row = tx.episodes.lock_lease(lease.episode_id, lease.epoch)
             if row is None:
@@ -479,25 +492,46 @@ class Buffer:
         reward: float | None,
         reward_info: dict[str, Any] | None,
     ) -> CommitResult:
-        """One sample, one statement, in autocommit (the per-turn hot path)."""
+        """One sample, one statement, in autocommit (the per-turn hot path): the tokens this
+        writer has not stored yet (``StoredPrefixes``)."""
+        key = (lease.episode_id, lease.epoch, sample_index)
+        start = self._stored.start(key, payload)
         with self.db.autocommit() as tx:
-            outcome, done = tx.trajectories.write_sample(
-                episode_id=lease.episode_id,
-                epoch=lease.epoch,
-                sample_index=sample_index,
-                payload=payload,
-                reward=reward,
-                reward_info=reward_info,
-            )
+
+            def write(start: int) -> tuple[str, bool]:
+                return tx.trajectories.write_sample(
+                    episode_id=lease.episode_id,
+                    epoch=lease.epoch,
+                    sample_index=sample_index,
+                    payload=payload,
+                    reward=reward,
+                    reward_info=reward_info,
+                    start=start,
+                )
+
+            outcome, done = write(start)
+            if outcome == "rebase":
+                outcome, done = write(0)
             if outcome == "stale":
                 tx.episodes.bump_task_counter(lease.task_id, "fenced_rejections")
             elif done:
                 tx.batches.notify_group_done(self.job_id)
+        self._note_written(key, payload, outcome, reward is not None)
         if outcome == "stale":
             raise StaleLeaseError(lease.episode_id, lease.epoch, _MOVED_ON)
         written = (sample_index,) if outcome == "written" and reward is not None else ()
         already = (sample_index,) if outcome == "already" else ()
         return CommitResult(committed=written, already=already, group_done=done)
+
+    def _note_written(
+        self, key: tuple[int, int, int], payload: TrajectoryPayload, outcome: str, commit: bool
+    ) -> None:
+        if outcome == "stale":
+            self._stored.forget_episode(key[0])
+        elif outcome == "written" and not commit:
+            self._stored.stored(key, payload)
+        else:  # committed: never written again
+            self._stored.forget(key)
 
     def _commit_group(
         self,
@@ -506,14 +540,29 @@ class Buffer:
     ) -> CommitResult:
         """Several samples of one group in one transaction: ``_write_one``'s statement for
         each, pipelined."""
+        keys = [(lease.episode_id, lease.epoch, s[0]) for s in samples]
+        starts = [self._stored.start(k, s[1]) for k, s in zip(keys, samples, strict=True)]
         with self.db.transaction() as tx:
             outcomes = tx.trajectories.write_samples(
-                episode_id=lease.episode_id, epoch=lease.epoch, samples=samples
+                episode_id=lease.episode_id,
+                epoch=lease.epoch,
+                samples=[(*s, start) for s, start in zip(samples, starts, strict=True)],
             )
+            rebase = [i for i, (outcome, _) in enumerate(outcomes) if outcome == "rebase"]
+            if rebase:
+                again = tx.trajectories.write_samples(
+                    episode_id=lease.episode_id,
+                    epoch=lease.epoch,
+                    samples=[(*samples[i], 0) for i in rebase],
+                )
+                for i, result in zip(rebase, again, strict=True):
+                    outcomes[i] = result
             stale = any(outcome == "stale" for outcome, _ in outcomes)
             done = any(d for _, d in outcomes)
             if not stale and done:
                 tx.batches.notify_group_done(self.job_id)
+        for key, s, (outcome, _) in zip(keys, samples, outcomes, strict=True):
+            self._note_written(key, s[1], "stale" if stale else outcome, s[2] is not None)
         if stale:
             # Nothing was written; count the rejection in a transaction of its own.
             with self.db.transaction() as tx:
@@ -532,6 +581,27 @@ class Buffer:
             ),
             group_done=done,
         )
+
+    # -- retention ------------------------------------------------------------------------------
+
+    @timed
+    @retry_transient
+    def drop_old_payloads(self, max_steps: int = RETENTION_STEPS_PER_PASS) -> tuple[int, int]:
+        """Retention (``buffer.payload_retention_steps`` / ``payload_retention_s``): drop the
+        payloads (tokens, masks, log-probs) of trajectories consumed by old steps, and of
+        groups that expired before them, at most ``max_steps`` steps per call; the metadata
+        stays. Returns (trajectories, payload bytes) dropped."""
+        keep_steps, keep_s = self.config.payload_retention_steps, self.config.payload_retention_s
+        if keep_steps is None and keep_s is None:
+            return 0, 0
+        with self.db.transaction() as tx:
+            cut = tx.trajectories.retention_step(self.job_id, keep_steps, keep_s)
+            if cut <= self._retained_through:
+                return 0, 0
+            through = min(cut, self._retained_through + max_steps)
+            dropped = tx.trajectories.drop_payloads(self.job_id, self._retained_through, through)
+        self._retained_through = through
+        return dropped
 
     # -- trainer side ---------------------------------------------------------------------------
 

@@ -278,11 +278,12 @@ def render_workers(doc: dict[str, Any], *, incarnations: bool = False) -> Any:
 @buffer_app.command("stats")
 def buffer_stats(ctx: typer.Context, job: JobOpt = None, json_out: JsonOpt = False) -> None:
     """Episodes and samples by state per task, in-flight vs cap, staleness of the waiting and
-    of the trained groups, and the buffer's counters.
+    of the trained groups, the buffer's counters, and its storage.
 
     Per task: the oldest waiting group's staleness and age, the trained-staleness histogram,
     and the counters (fenced rejections, expired groups, quarantined episodes, requeued
-    leases)."""
+    leases). Storage: the job's payload segments and bytes, the trajectories whose payload
+    retention dropped, and the database's tables by size."""
     from orchestrator.services.status import buffer_stats
 
     db = open_db(ctx)
@@ -331,6 +332,12 @@ def render_buffer(doc: dict[str, Any]) -> Any:
             )
         )
     states.add_row(*one_line("total", *(str(doc["total"][s]) for s in EPISODE_STATES)))
+    st = doc["storage"]
+    sizes = compact_table(col("table", flex=True), col("size", right=True))
+    for name, nbytes in st["tables"].items():
+        if name != "database":
+            sizes.add_row(*one_line(name, _bytes(nbytes)))
+    per_step = st["database_bytes_per_step"]
     return Group(
         Text(f"job {doc['job']}: policy version {doc['policy_version']}"),
         Text(""),
@@ -338,7 +345,25 @@ def render_buffer(doc: dict[str, Any]) -> Any:
         states,
         Text(""),
         flow,
+        Text(""),
+        Text(
+            f"storage: {st['trajectories']} trajectories, {st['payloads_dropped']} payloads "
+            "dropped by retention"
+        ),
+        Text(
+            f"payloads: {st['segments']} segments, {_bytes(st['payload_bytes'])}; database "
+            f"{_bytes(st['tables']['database'])}"
+            + ("" if per_step is None else f", {_bytes(per_step)} per step")
+        ),
+        sizes,
     )
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def events(

@@ -297,15 +297,7 @@ class Trajectory(Base):
     )
     # Lease epoch of the episode when this row was last written (fencing audit).
     lease_epoch: Mapped[int] = mapped_column(BigInteger, nullable=False)
-    token_ids: Mapped[bytes] = mapped_column(
-        LargeBinary, nullable=False, server_default=text("'\\x'::bytea")
-    )
-    loss_mask: Mapped[bytes] = mapped_column(
-        LargeBinary, nullable=False, server_default=text("'\\x'::bytea")
-    )
-    behaviour_logprobs: Mapped[bytes] = mapped_column(
-        LargeBinary, nullable=False, server_default=text("'\\x'::bytea")
-    )
+    # The payload (tokens, loss mask, behaviour log-probs) is in ``trajectory_segments``.
     num_tokens: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     num_turns: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
@@ -331,6 +323,8 @@ class Trajectory(Base):
     updated_at: Mapped[datetime] = _updated()
     ready_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     consumed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Set when retention dropped the payload's segments (the metadata stays).
+    payload_dropped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         ForeignKeyConstraint(["episode_id"], ["episodes.id"], ondelete="RESTRICT"),
@@ -342,6 +336,31 @@ class Trajectory(Base):
         ),
         {"postgresql_partition_by": "LIST (task_id)"},
     )
+
+
+class TrajectorySegment(Base):
+    """Tokens ``[start_token, end_token)`` of one sample, as one checkpoint appended them.
+
+    Append-only: a checkpoint adds the tokens of its new turns as one row and never rewrites
+    earlier rows, so the bytes written per trajectory grow linearly with its length. A sample's
+    payload is its segments in ``start_token`` order (``repos.trajectories``). No foreign keys:
+    the write path checks nothing it does not need, and retired tasks' partitions detach
+    freely; the rows go with their trajectory's retention."""
+
+    __tablename__ = "trajectory_segments"
+
+    task_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    episode_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    sample_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    start_token: Mapped[int] = mapped_column(Integer, primary_key=True)
+    end_token: Mapped[int] = mapped_column(Integer, nullable=False)
+    # Lease epoch of the holder that wrote the segment (fencing audit).
+    lease_epoch: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    token_ids: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    loss_mask: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    behaviour_logprobs: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+
+    __table_args__ = (CheckConstraint("0 <= start_token AND start_token < end_token", name="span"),)
 
 
 class TrainStep(Base):

@@ -368,6 +368,7 @@ class JobDriver(TrainerControl):
             (self.buffer.expire_stale, cp.staleness_interval_s, "staleness-expiry"),
             (self._sweep_dead, cp.dead_sweep_interval_s, "dead-worker-sweep"),
             (self._supervise, cp.supervise_interval_s, "supervise"),
+            (self.buffer.drop_old_payloads, cp.retention_interval_s, "payload-retention"),
         ]
         for fn, every, name in jobs:
             s.add_job(fn, "interval", seconds=every, id=name)

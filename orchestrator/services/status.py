@@ -19,6 +19,7 @@ from typing import Any
 from orchestrator import bounds
 from orchestrator.db.engine import Tx
 from orchestrator.db.repos.monitoring import DrillCount, JobProgress, StepSummary
+from orchestrator.db.repos.trajectories import table_sizes
 from orchestrator.domain import JobView
 from orchestrator.errors import NotFoundError, UserError
 from orchestrator.services.jobs import driver_json, require_job
@@ -288,11 +289,19 @@ def buffer_stats(tx: Tx, job_name: str | None) -> dict[str, Any]:
                 "counters": t.counters,
             }
         )
+    steps = snap.job.policy_version
+    storage = tx.trajectories.storage(job.id)
+    sizes = table_sizes(tx.session)
     return {
         "job": job.name,
         "policy_version": snap.job.policy_version,
         "total": snap.depth(),
         "tasks": tasks,
+        "storage": {
+            **storage,
+            "tables": sizes,
+            "database_bytes_per_step": round(sizes["database"] / steps) if steps else None,
+        },
     }
 
 

@@ -120,12 +120,13 @@ def test_runtime_role_runs_a_job_s_database_work_and_is_refused_ddl(
         with db.transaction() as tx:
             assert tx.session.execute(sa.text("SELECT current_user")).scalar() == RUNTIME
         ids = add_tasks(db, {"name": "a", "max_staleness": 1}, {"name": "b", "max_staleness": 1})
-        buf = make_buffer(db, batch_groups=2)
+        buf = make_buffer(db, batch_groups=2, payload_retention_steps=0)
         assert sum(buf.seed().values()) > 0
         w = buf.register_worker("rollout-0", host="h", pid=1)
         claim = buf.claim(w.id)
         assert claim is not None
         buf.checkpoint(claim.lease, 0, payload(0, turns=1))
+        buf.checkpoint(claim.lease, 0, payload(0, turns=1, seed=1))  # replaces the segment
         buf.heartbeat(w.id, tokens_generated=8, loaded_version=0)
         buf.release(claim.lease, "the rollout failed")  # requeued, resumed below
         assert len(drain_queue(buf, w.id, version=0)) >= 2
@@ -133,6 +134,7 @@ def test_runtime_role_runs_a_job_s_database_work_and_is_refused_ddl(
         assert len(batch.groups) == 2
         commit = buf.commit_step(0, checkpoint_uri="file:///c/0", metrics={"train_s": 0.1})
         assert commit.policy_version == 1
+        assert buf.drop_old_payloads()[0] == batch.num_trajectories  # retention deletes
         buf.expire_stale()
         buf.sweep_expired_leases()
         buf.sweep_dead_workers(10.0, 30.0)

@@ -113,3 +113,74 @@ def test_migration_files_are_one_linear_history() -> None:
     assert len(script.get_heads()) == 1
     revs = list(script.walk_revisions())
     assert revs[-1].down_revision is None
+
+
+def test_0005_moves_stored_payloads_into_segments_and_back(empty_db_url: str) -> None:
+    """A database with payloads written before append-only turns keeps them across the
+    upgrade (one segment each, detached partitions too) and the downgrade."""
+    engine = sa.create_engine(empty_db_url, poolclass=sa.pool.NullPool)
+    tokens, mask, logprobs = bytes(range(16)), bytes([0, 1, 1, 1]), bytes(range(100, 116))
+    with engine.connect() as conn:
+        migrate.upgrade(conn, "0004")
+        conn.execute(
+            sa.text(
+                "INSERT INTO tasks (job_id, name, plugin, weight, max_inflight, max_staleness) "
+                "VALUES (1, 'a', 'echo', 1, 1, 0), (1, 'b', 'echo', 1, 1, 0)"
+            )
+        )
+        conn.execute(
+            sa.text("SELECT rollcall_attach_task_partition(1), rollcall_attach_task_partition(2)")
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO episodes (job_id, task_id, prompt_index, prompt, group_size) "
+                "VALUES (1, 1, 0, '{}', 1), (1, 2, 0, '{}', 1)"
+            )
+        )
+        for task in (1, 2):
+            conn.execute(
+                sa.text(
+                    "INSERT INTO trajectories (task_id, episode_id, sample_index, lease_epoch, "
+                    "token_ids, loss_mask, behaviour_logprobs, num_tokens) "
+                    "VALUES (:t, :t, 0, 1, :a, :b, :c, 4)"
+                ),
+                {"t": task, "a": tokens, "b": mask, "c": logprobs},
+            )
+        conn.execute(sa.text("SELECT rollcall_detach_task_partition(2)"))
+        conn.commit()
+
+        migrate.upgrade(conn)
+        conn.commit()
+        assert migrate.drift(conn) == []
+        segs = conn.execute(
+            sa.text(
+                "SELECT task_id, start_token, end_token, token_ids, loss_mask, "
+                "behaviour_logprobs FROM trajectory_segments ORDER BY task_id"
+            )
+        ).all()
+        assert [tuple(s[:3]) for s in segs] == [(1, 0, 4), (2, 0, 4)]
+        assert all(
+            (bytes(s[3]), bytes(s[4]), bytes(s[5])) == (tokens, mask, logprobs) for s in segs
+        )
+        detached = {
+            r[0]
+            for r in conn.execute(
+                sa.text(
+                    "SELECT column_name FROM information_schema.columns "
+                    "WHERE table_name = 'trajectories_t2'"
+                )
+            )
+        }
+        assert "token_ids" not in detached and "payload_dropped_at" in detached
+
+        migrate.downgrade(conn, "0004")
+        conn.commit()
+        back = conn.execute(
+            sa.text("SELECT token_ids, loss_mask, behaviour_logprobs FROM trajectories")
+        ).one()
+        assert (bytes(back[0]), bytes(back[1]), bytes(back[2])) == (tokens, mask, logprobs)
+        back2 = conn.execute(
+            sa.text("SELECT token_ids, loss_mask, behaviour_logprobs FROM trajectories_t2")
+        ).one()
+        assert (bytes(back2[0]), bytes(back2[1]), bytes(back2[2])) == (tokens, mask, logprobs)
+    engine.dispose()

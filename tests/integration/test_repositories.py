@@ -23,10 +23,10 @@ def _insert_trajectory(engine: sa.Engine, task_id: int, sample: int = 0) -> None
         )
         conn.execute(
             sa.text(
-                "INSERT INTO trajectories (task_id, episode_id, sample_index, lease_epoch, token_ids) "
-                "VALUES (:t, :e, :s, 1, :tok)"
+                "INSERT INTO trajectories (task_id, episode_id, sample_index, lease_epoch, "
+                "num_tokens) VALUES (:t, :e, :s, 1, 1)"
             ),
-            {"t": task_id, "e": ep, "s": sample, "tok": b"\x01\x00\x00\x00"},
+            {"t": task_id, "e": ep, "s": sample},
         )
 
 

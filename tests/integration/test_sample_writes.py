@@ -1,16 +1,18 @@
 """The write rules of a sample, each tested once, directly: ``rollcall_write_sample``
-(migration 0002) through ``TrajectoryRepository.write_sample`` / ``write_samples``, the one
+(migrations 0002, 0005) through ``TrajectoryRepository.write_sample`` / ``write_samples``, the one
 implementation the buffer's checkpoints and commits use."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from orchestrator.buffer.types import ClaimedEpisode
 from orchestrator.db.engine import Database
 from orchestrator.domain import TrajectoryPayload
+from orchestrator.errors import StaleLeaseError
 from tests.integration.buffer_helpers import add_tasks, make_buffer, payload, rows, scalar
 
 
@@ -31,6 +33,7 @@ def _write(
     reward: float | None,
     *,
     epoch: int | None = None,
+    start: int = 0,
 ) -> tuple[str, bool]:
     with db.autocommit() as tx:
         return tx.trajectories.write_sample(
@@ -40,14 +43,18 @@ def _write(
             payload=p,
             reward=reward,
             reward_info=None,
+            start=start,
         )
 
 
 def _samples(engine: sa.Engine) -> list[Any]:
     return rows(
         engine,
-        "SELECT sample_index, status::text, reward, token_ids, lease_epoch, updated_at "
-        "FROM trajectories ORDER BY sample_index",
+        "SELECT sample_index, status::text, reward, lease_epoch, updated_at, "
+        "(SELECT string_agg(s.token_ids, ''::bytea ORDER BY s.start_token) "
+        " FROM trajectory_segments s WHERE s.episode_id = tr.episode_id "
+        " AND s.sample_index = tr.sample_index) AS token_ids "
+        "FROM trajectories tr ORDER BY sample_index",
     )
 
 
@@ -87,7 +94,7 @@ def test_upsert_is_idempotent_and_fenced(db: Database, engine: sa.Engine) -> Non
         assert tx.trajectories.write_samples(
             episode_id=c.lease.episode_id,
             epoch=c.lease.epoch + 1,
-            samples=[(0, payload(0), 1.0, None), (1, payload(0), 1.0, None)],
+            samples=[(0, payload(0), 1.0, None, 0), (1, payload(0), 1.0, None, 0)],
         ) == [("stale", False), ("stale", False)]
     assert _samples(engine) == committed
     assert _episode(engine, c.lease.episode_id) == episode
@@ -107,7 +114,7 @@ def test_group_completes_exactly_when_its_last_sample_lands(
         assert tx.trajectories.write_samples(
             episode_id=e,
             epoch=c.lease.epoch,
-            samples=[(1, payload(3), 1.0, None), (2, payload(2), 0.0, None)],
+            samples=[(1, payload(3), 1.0, None, 0), (2, payload(2), 0.0, None, 0)],
         ) == [("already", False), ("written", True)]
     ep = _episode(engine, e)
     assert (ep.status, ep.min_policy_version, ep.lease_owner) == ("done", 2, None)
@@ -127,10 +134,127 @@ def test_idempotent_commit_does_not_double_apply(db: Database, engine: sa.Engine
         assert tx.trajectories.write_samples(
             episode_id=e,
             epoch=c.lease.epoch,
-            samples=[(0, payload(0, seed=4), 0.0, None), (1, payload(0, seed=5), 0.0, None)],
+            samples=[
+                (0, payload(0, seed=4), 0.0, None, 0),
+                (1, payload(0, seed=5), 0.0, None, 0),
+            ],
         ) == [("already", True), ("already", True)]
     assert _samples(engine) == samples
     assert _episode(engine, e) == episode
     assert scalar(engine, "SELECT count(*) FROM trajectories") == 2
     # A sample that was never committed is no retry: after completion it is stale.
     assert _write(db, c, 2, payload(0), 1.0) == ("stale", False)
+
+
+def _segments(engine: sa.Engine, sample: int = 0) -> list[Any]:
+    return rows(
+        engine,
+        "SELECT start_token, end_token, xmin::text AS xmin, octet_length(token_ids) AS nbytes "
+        "FROM trajectory_segments WHERE sample_index = :s ORDER BY start_token",
+        s=sample,
+    )
+
+
+def _stored(db: Database, c: ClaimedEpisode) -> TrajectoryPayload:
+    with db.transaction() as tx:
+        state = tx.trajectories.samples_for_resume(c.lease.task_id, c.lease.episode_id, 1)[0]
+    assert state.checkpoint is not None
+    return state.checkpoint
+
+
+def payload_prefix(full: TrajectoryPayload, turns: int, per_turn: int) -> TrajectoryPayload:
+    n = turns * per_turn
+    return TrajectoryPayload.build(
+        full.token_ids[:n],
+        full.loss_mask[:n],
+        full.behaviour_logprobs[:n],
+        turn_offsets=[i * per_turn for i in range(turns)],
+        turn_versions=[0] * turns,
+        prompt_tokens=1,
+        env_state={"turn": turns},
+    )
+
+
+def test_a_checkpoint_appends_its_new_turn_and_never_rewrites_earlier_ones(
+    db: Database, engine: sa.Engine
+) -> None:
+    c = _claim(db, group_size=1)
+    full = payload(0, n_tokens=40, turns=4, seed=7)
+    assert _write(db, c, 0, payload_prefix(full, 1, 10), None) == ("written", False)
+    first = _segments(engine)
+    for turns in (2, 3):
+        p = payload_prefix(full, turns, 10)
+        assert _write(db, c, 0, p, None, start=10 * (turns - 1)) == ("written", False)
+    segs = _segments(engine)
+    # One segment per turn, each holding only its own turn's tokens; the first row is the
+    # very row the first checkpoint wrote (same xmin: never updated or rewritten).
+    assert [(s.start_token, s.end_token, s.nbytes) for s in segs] == [
+        (0, 10, 40),
+        (10, 20, 40),
+        (20, 30, 40),
+    ]
+    assert segs[0] == first[0]
+    assert _stored(db, c).same_as(payload_prefix(full, 3, 10))
+    # A writer wrong about what is stored is told to write again from 0; nothing changes.
+    assert _write(db, c, 0, full, None, start=25) == ("rebase", False)
+    assert _write(db, c, 0, full, None, start=40) == ("rebase", False)
+    assert _segments(engine) == segs
+    # Repeating a write (its reply was lost) replaces the segments from its start on.
+    assert _write(db, c, 0, payload_prefix(full, 3, 10), None, start=20) == ("written", False)
+    assert [s.start_token for s in _segments(engine)] == [0, 10, 20]
+    assert _segments(engine)[:2] == segs[:2]
+    # The commit appends the last turn; the payload reads back whole.
+    assert _write(db, c, 0, full, 1.0, start=30) == ("written", True)
+    assert [s.start_token for s in _segments(engine)] == [0, 10, 20, 30]
+    with db.transaction() as tx:
+        (got,) = tx.batches.load_trajectories([(c.lease.episode_id, c.lease.task_id)])[
+            c.lease.episode_id
+        ]
+    assert got.payload.same_as(full)
+
+
+def test_a_trajectory_that_starts_over_is_written_whole(db: Database, engine: sa.Engine) -> None:
+    c = _claim(db, group_size=1)
+    assert _write(db, c, 0, payload(0, n_tokens=30, turns=3, seed=1), None) == ("written", False)
+    other = payload(0, n_tokens=12, turns=1, seed=2)
+    assert _write(db, c, 0, other, None, start=0) == ("written", False)
+    assert [(s.start_token, s.end_token) for s in _segments(engine)] == [(0, 12)]
+    assert _stored(db, c).same_as(other)
+
+
+def test_the_buffer_sends_only_new_turns_and_a_resumed_claim_goes_on_appending(
+    db: Database, engine: sa.Engine
+) -> None:
+    add_tasks(db, {"name": "a", "group_size": 1})
+    buf = make_buffer(db, batch_groups=1)
+    buf.seed()
+    c = buf.claim(buf.register_worker("r0").id)
+    assert c is not None
+    full = payload(0, n_tokens=80, turns=8, seed=3)
+    for turns in range(1, 5):
+        buf.checkpoint(c.lease, 0, payload_prefix(full, turns, 10))
+    assert [s.start_token for s in _segments(engine)] == [0, 10, 20, 30]
+    # A trajectory that starts over (a diverged agent replay) is written whole, then appends.
+    restart = payload_prefix(payload(0, n_tokens=80, turns=8, seed=4), 1, 10)
+    buf.checkpoint(c.lease, 0, restart)
+    assert [(s.start_token, s.end_token) for s in _segments(engine)] == [(0, 10)]
+    for turns in range(1, 5):
+        buf.checkpoint(c.lease, 0, payload_prefix(full, turns, 10))
+    before = _segments(engine)
+    # The node gives the episode back; another writer (a fresh Buffer: another process)
+    # claims it, receives the checkpoint, and appends after it.
+    buf.release(c.lease, "engine failed", counted=False)
+    other = make_buffer(db, batch_groups=1)
+    c2 = other.claim(other.register_worker("r1").id)
+    assert c2 is not None and c2.lease.epoch > c.lease.epoch
+    assert c2.samples[0].checkpoint is not None
+    assert c2.samples[0].checkpoint.same_as(payload_prefix(full, 4, 10))
+    other.checkpoint(c2.lease, 0, payload_prefix(full, 5, 10))
+    other.commit(c2.lease, 0, full, 1.0)
+    after = _segments(engine)
+    assert after[:4] == before
+    assert [(s.start_token, s.end_token) for s in after[4:]] == [(40, 50), (50, 80)]
+    # The old holder's writes are fenced: nothing of them lands.
+    with pytest.raises(StaleLeaseError):
+        buf.checkpoint(c.lease, 0, payload_prefix(full, 6, 10))
+    assert _segments(engine) == after

@@ -75,6 +75,9 @@ class _Buffer:  # the control plane's calls, doing nothing
     def sweep_dead_workers(self, *args: Any) -> list[Any]:
         return []
 
+    def drop_old_payloads(self) -> tuple[int, int]:
+        return 0, 0
+
 
 def test_scheduler_jobs_coalesce_and_tolerate_a_busy_machine(tmp_path: Path) -> None:
     driver = JobDriver(
@@ -95,6 +98,7 @@ def test_scheduler_jobs_coalesce_and_tolerate_a_busy_machine(tmp_path: Path) -> 
             "staleness-expiry",
             "dead-worker-sweep",
             "supervise",
+            "payload-retention",
         }
         for j in jobs:
             assert (j.coalesce, j.misfire_grace_time, j.max_instances) == (True, 60, 1), j.id

@@ -34,6 +34,7 @@ class Buffer:  # the control plane's calls, doing nothing
     def sweep_expired_leases(self): return None
     def expire_stale(self): return {}
     def sweep_dead_workers(self, *args): return []
+    def drop_old_payloads(self): return 0, 0
 
 
 root = Path(sys.argv[1])
@@ -91,6 +92,7 @@ def test_missed_runs_are_logged_to_the_run_dir_and_counted_not_printed(tmp_path:
         "staleness-expiry": 0,
         "dead-worker-sweep": 0,
         "supervise": 0,
+        "payload-retention": 0,
         "frozen": 1,
         "late": 0,
     }

@@ -240,9 +240,25 @@ def test_buffer_stats_fit_80_columns_one_line_per_row() -> None:
             }
             for t in TASKS
         ],
+        "storage": {
+            "segments": 9_876_543,
+            "payload_bytes": 123_456_789_012,
+            "trajectories": 245_760,
+            "payloads_dropped": 233_472,
+            "tables": {
+                "trajectory_segments": 130_000_000_000,
+                "trajectories": 400_000_000,
+                "episodes": 20_000_000,
+                "database": 131_000_000_000,
+            },
+            "database_bytes_per_step": 106_158_833,
+        },
     }
     lines = render(cli_status.render_buffer(doc))
     check_width(lines)
+    line_with(lines, "245760 trajectories", "233472 payloads dropped")
+    line_with(lines, "9876543 segments", "123.5 GB", "database 131.0 GB", "106.2 MB per step")
+    line_with(lines, "trajectory_segments", "130.0 GB")
     for t in doc["tasks"]:  # episodes by state, then in flight, staleness and counters
         line_with(lines, t["name"][:14], "1200", "96", "64", "10240", "17")
         line_with(lines, t["name"][:14], "96/128", "2 versions, 58m", "0.36 (bound 4)")

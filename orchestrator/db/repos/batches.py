@@ -28,7 +28,8 @@ from sqlalchemy.sql.expression import bindparam
 
 from orchestrator.db.models import Trajectory
 from orchestrator.db.notify import groups_channel
-from orchestrator.domain import BatchGroup, BatchTrajectory, TrajectoryPayload
+from orchestrator.db.repos.trajectories import TrajectoryRepository
+from orchestrator.domain import BatchGroup, BatchTrajectory
 
 _BATCH_LOCK_NS = 0x524F4C4C  # "ROLL": namespace of the advisory lock per job
 
@@ -335,10 +336,11 @@ class BatchRepository:
             .order_by(Trajectory.episode_id, Trajectory.sample_index)
         ).all()
         by_episode: dict[int, list[BatchTrajectory]] = {}
-        for t in trajs:
+        payloads = TrajectoryRepository(self.session).payloads(trajs)
+        for t, payload in zip(trajs, payloads, strict=True):
             assert t.reward is not None
             by_episode.setdefault(t.episode_id, []).append(
-                BatchTrajectory(t.sample_index, TrajectoryPayload.from_columns(t), t.reward)
+                BatchTrajectory(t.sample_index, payload, t.reward)
             )
         return {e: tuple(ts) for e, ts in by_episode.items()}
 

@@ -1,27 +1,33 @@
 """Trajectories: per-turn checkpoints, commits, and the samples a resumed claim continues.
 
-Every write is one call of ``rollcall_write_sample`` (migration 0002), which fences it by the
-lease epoch, never overwrites a committed sample (checkpoints and commits only update rows that
-are still ``in_progress``, which makes a repeated commit a no-op), and marks the episode done
-when its group's last sample is committed.
+Every write is one call of ``rollcall_write_sample`` (migrations 0002, 0005), which fences it
+by the lease epoch, never overwrites a committed sample (checkpoints and commits only update
+rows that are still ``in_progress``, which makes a repeated commit a no-op), and marks the
+episode done when its group's last sample is committed. A write carries the payload's tokens
+from ``start`` on: the tokens before it are already stored as ``trajectory_segments`` rows,
+which the write leaves untouched (append-only turns). A sample's payload is read back by
+concatenating its segments.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from orchestrator.db import raw
 from orchestrator.db.models import Trajectory
 from orchestrator.domain import SampleState, TrajectoryPayload, TrajectoryStatus
+from orchestrator.errors import PayloadMissingError
+
+SampleKey = tuple[int, int, int]  # (task id, episode id, sample index)
 
 # Checkpoint (no reward) or commit one sample, fenced by the lease epoch, in one statement:
 # fencing, the write that never overwrites a committed sample, the idempotent re-commit and the
-# group's completion are all ``rollcall_write_sample`` (migration 0002).
-_WRITE_SAMPLE = f"SELECT * FROM rollcall_write_sample({', '.join(['%s'] * 17)})"
+# group's completion are all ``rollcall_write_sample`` (migrations 0002, 0005).
+_WRITE_SAMPLE = f"SELECT * FROM rollcall_write_sample({', '.join(['%s'] * 18)})"
 
 
 def _write_params(
@@ -31,13 +37,15 @@ def _write_params(
     payload: TrajectoryPayload,
     reward: float | None,
     reward_info: dict[str, Any] | None,
+    start: int,
 ) -> tuple[Any, ...]:
-    e = payload.encoded()
+    e = payload.encoded(start)
     return (
         episode_id,
         epoch,
         sample_index,
         reward is not None,
+        start,
         e["token_ids"],
         e["loss_mask"],
         e["behaviour_logprobs"],
@@ -67,15 +75,18 @@ class TrajectoryRepository:
         payload: TrajectoryPayload,
         reward: float | None,
         reward_info: dict[str, Any] | None,
+        start: int = 0,
     ) -> tuple[str, bool]:
         """Checkpoint (no reward) or commit one sample, fenced, in one statement
-        (``rollcall_write_sample``, migration 0002). Returns (outcome, group_done) with outcome
-        ``written``, ``already`` or ``stale``. Run it in autocommit."""
+        (``rollcall_write_sample``, migration 0005), writing the payload's tokens from
+        ``start`` on (those before it must be stored already). Returns (outcome, group_done)
+        with outcome ``written``, ``already``, ``stale`` or ``rebase`` (the stored tokens do
+        not end at ``start``: nothing written; write again from 0). Run it in autocommit."""
         row = (
             raw.cursor(self.session)
             .execute(
                 _WRITE_SAMPLE,
-                _write_params(episode_id, epoch, sample_index, payload, reward, reward_info),
+                _write_params(episode_id, epoch, sample_index, payload, reward, reward_info, start),
             )
             .fetchone()
         )
@@ -87,10 +98,10 @@ class TrajectoryRepository:
         *,
         episode_id: int,
         epoch: int,
-        samples: Sequence[tuple[int, TrajectoryPayload, float | None, dict[str, Any] | None]],
+        samples: Sequence[tuple[int, TrajectoryPayload, float | None, dict[str, Any] | None, int]],
     ) -> list[tuple[str, bool]]:
-        """``write_sample`` for several samples (index, payload, reward, reward_info) of one
-        group, pipelined in the caller's transaction; one (outcome, group_done) per sample.
+        """``write_sample`` for several samples (index, payload, reward, reward_info, start) of
+        one group, pipelined in the caller's transaction; one (outcome, group_done) per sample.
 
         The first write locks the episode (``FOR UPDATE`` for a commit, ``FOR SHARE`` for a
         checkpoint) until the transaction ends, so the lease cannot move on between them: if any
@@ -100,7 +111,10 @@ class TrajectoryRepository:
         cur = raw.cursor(self.session)
         cur.executemany(
             _WRITE_SAMPLE,
-            [_write_params(episode_id, epoch, i, p, r, info) for i, p, r, info in samples],
+            [
+                _write_params(episode_id, epoch, i, p, r, info, start)
+                for i, p, r, info, start in samples
+            ],
             returning=True,
         )
         out: list[tuple[str, bool]] = []
@@ -124,11 +138,179 @@ class TrajectoryRepository:
             )
         ).scalars()
         found: dict[int, SampleState] = {}
+        in_progress: list[Trajectory] = []
         for t in rows:
             if t.status == TrajectoryStatus.READY:
                 found[t.sample_index] = SampleState(t.sample_index, "ready")
             else:
-                found[t.sample_index] = SampleState(
-                    t.sample_index, "in_progress", TrajectoryPayload.from_columns(t)
-                )
+                in_progress.append(t)
+        for t, payload in zip(in_progress, self.payloads(in_progress), strict=True):
+            found[t.sample_index] = SampleState(t.sample_index, "in_progress", payload)
         return tuple(found.get(i, SampleState(i, "new")) for i in range(group_size))
+
+    def payloads(self, rows: Sequence[Trajectory]) -> list[TrajectoryPayload]:
+        """The payloads of ``trajectories`` rows: their segments read in one query and
+        concatenated, checked to cover each sample's tokens exactly."""
+        if not rows:
+            return []
+        parts = self._segments({(t.task_id, t.episode_id, t.sample_index) for t in rows})
+        out = []
+        for t in rows:
+            key = (t.task_id, t.episode_id, t.sample_index)
+            tokens, mask, logprobs = parts.get(key, ([], [], []))
+            n = sum(len(m) for m in mask)
+            if n != t.num_tokens:
+                dropped = " (dropped by retention)" if t.payload_dropped_at is not None else ""
+                raise PayloadMissingError(
+                    f"sample {t.sample_index} of episode {t.episode_id} has {n} of its "
+                    f"{t.num_tokens} tokens stored{dropped}"
+                )
+            out.append(
+                TrajectoryPayload.from_columns(
+                    t, b"".join(tokens), b"".join(mask), b"".join(logprobs)
+                )
+            )
+        return out
+
+    def _segments(
+        self, keys: Iterable[SampleKey]
+    ) -> dict[SampleKey, tuple[list[bytes], list[bytes], list[bytes]]]:
+        """Each sample's segment bytes (tokens, mask, log-probs) in token order; a segment
+        that does not start where the previous one ended is an error."""
+        keys = set(keys)
+        rows = self.session.execute(
+            text(
+                "SELECT task_id, episode_id, sample_index, start_token, end_token, token_ids, "
+                "loss_mask, behaviour_logprobs FROM trajectory_segments "
+                "WHERE task_id = ANY(:t) AND episode_id = ANY(:e) "
+                "ORDER BY task_id, episode_id, sample_index, start_token"
+            ),
+            {"t": sorted({k[0] for k in keys}), "e": sorted({k[1] for k in keys})},
+        )
+        out: dict[SampleKey, tuple[list[bytes], list[bytes], list[bytes]]] = {}
+        ends: dict[SampleKey, int] = {}
+        for r in rows:
+            key = (r.task_id, r.episode_id, r.sample_index)
+            if key not in keys:
+                continue
+            if r.start_token != ends.get(key, 0):
+                raise PayloadMissingError(
+                    f"sample {key[2]} of episode {key[1]}: a stored segment starts at token "
+                    f"{r.start_token}, not where the previous one ended ({ends.get(key, 0)})"
+                )
+            ends[key] = r.end_token
+            tokens, mask, logprobs = out.setdefault(key, ([], [], []))
+            tokens.append(bytes(r.token_ids))
+            mask.append(bytes(r.loss_mask))
+            logprobs.append(bytes(r.behaviour_logprobs))
+        return out
+
+    def retention_step(self, job_id: int, keep_steps: int | None, keep_s: float | None) -> int:
+        """The last step whose consumed payloads retention drops: the newest one that is
+        ``keep_steps`` steps old, or committed more than ``keep_s`` seconds ago; -1: none."""
+        row = self.session.execute(
+            text(
+                """
+                SELECT
+                  (SELECT max(step) FROM train_steps WHERE job_id = :j) AS latest,
+                  (SELECT max(step) FROM train_steps WHERE job_id = :j
+                   AND created_at < now() - make_interval(secs => :s)) AS by_age
+                """
+            ),
+            {"j": job_id, "s": keep_s if keep_s is not None else 0.0},
+        ).one()
+        cut = -1
+        if keep_steps is not None and row.latest is not None:
+            cut = row.latest - keep_steps
+        if keep_s is not None and row.by_age is not None:
+            cut = max(cut, row.by_age)
+        return int(cut)
+
+    def drop_payloads(self, job_id: int, after_step: int, through_step: int) -> tuple[int, int]:
+        """Retention: delete the segments of the job's trajectories consumed by steps
+        ``(after_step, through_step]``, and of its expired groups expired before step
+        ``through_step`` was committed, marking each trajectory ``payload_dropped_at`` (its
+        metadata, reward and versions stay). Returns (trajectories, payload bytes) dropped."""
+        row = self.session.execute(
+            text(
+                """
+                WITH cut AS (
+                    SELECT created_at FROM train_steps WHERE job_id = :j AND step = :hi
+                ), eps AS (
+                    SELECT e.id, e.task_id FROM episodes e
+                    WHERE e.job_id = :j AND (
+                        (e.consumed_step > :lo AND e.consumed_step <= :hi)
+                        OR (e.status = 'expired' AND e.updated_at <= (SELECT created_at FROM cut))
+                    )
+                ), gone AS (
+                    DELETE FROM trajectory_segments s USING eps
+                    WHERE s.task_id = eps.task_id AND s.episode_id = eps.id
+                    RETURNING s.task_id, s.episode_id, s.sample_index,
+                        octet_length(s.token_ids) + octet_length(s.loss_mask)
+                        + octet_length(s.behaviour_logprobs) AS nbytes
+                ), marked AS (
+                    UPDATE trajectories tr SET payload_dropped_at = now()
+                    FROM (SELECT DISTINCT task_id, episode_id, sample_index FROM gone) g
+                    WHERE tr.task_id = g.task_id AND tr.episode_id = g.episode_id
+                      AND tr.sample_index = g.sample_index
+                    RETURNING 1
+                )
+                SELECT (SELECT count(*) FROM marked) AS n,
+                       (SELECT coalesce(sum(nbytes), 0) FROM gone) AS nbytes
+                """
+            ),
+            {"j": job_id, "lo": after_step, "hi": through_step},
+        ).one()
+        return int(row.n), int(row.nbytes)
+
+    def storage(self, job_id: int) -> dict[str, int]:
+        """The job's payload rows and bytes, and its trajectories whose payload retention
+        dropped."""
+        row = self.session.execute(
+            text(
+                """
+                SELECT
+                  (SELECT count(*) FROM trajectory_segments s JOIN tasks t ON t.id = s.task_id
+                   WHERE t.job_id = :j) AS segments,
+                  (SELECT coalesce(sum(octet_length(s.token_ids) + octet_length(s.loss_mask)
+                          + octet_length(s.behaviour_logprobs)), 0)
+                   FROM trajectory_segments s JOIN tasks t ON t.id = s.task_id
+                   WHERE t.job_id = :j) AS payload_bytes,
+                  (SELECT count(*) FROM trajectories tr JOIN tasks t ON t.id = tr.task_id
+                   WHERE t.job_id = :j) AS trajectories,
+                  (SELECT count(*) FROM trajectories tr JOIN tasks t ON t.id = tr.task_id
+                   WHERE t.job_id = :j AND tr.payload_dropped_at IS NOT NULL) AS dropped
+                """
+            ),
+            {"j": job_id},
+        ).one()
+        return {
+            "segments": int(row.segments),
+            "payload_bytes": int(row.payload_bytes),
+            "trajectories": int(row.trajectories),
+            "payloads_dropped": int(row.dropped),
+        }
+
+
+def table_sizes(session: Session) -> dict[str, int]:
+    """On-disk bytes of rollcall's tables (with indexes and TOAST; partitions summed into
+    their parent), the whole database's last: ``database``."""
+    rows = session.execute(
+        text(
+            """
+            SELECT coalesce(p.relname, c.relname) AS name,
+                   sum(pg_total_relation_size(c.oid))::bigint AS nbytes
+            FROM pg_class c
+            JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname = current_schema()
+            LEFT JOIN pg_inherits i ON i.inhrelid = c.oid
+            LEFT JOIN pg_class p ON p.oid = i.inhparent
+            WHERE c.relkind = 'r'
+            GROUP BY 1 ORDER BY 2 DESC
+            """
+        )
+    ).all()
+    out = {r.name: int(r.nbytes) for r in rows}
+    out["database"] = int(
+        session.execute(text("SELECT pg_database_size(current_database())")).scalar_one()
+    )
+    return out

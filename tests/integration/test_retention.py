@@ -1,0 +1,89 @@
+"""Payload retention: consumed payloads dropped after ``buffer.payload_retention_steps``, the
+metadata kept, what is still to be trained untouched, and the storage that ``rollcall buffer
+stats`` reports."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from orchestrator.buffer.invariants import check_invariants
+from orchestrator.buffer.service import Buffer
+from orchestrator.db.engine import Database
+from orchestrator.services.status import buffer_stats
+from tests.integration.buffer_helpers import add_tasks, drain_queue, make_buffer, rows, scalar
+
+
+def _by_step(engine: sa.Engine) -> dict[int, tuple[int, int, int]]:
+    """step -> (trajectories, payloads dropped, segments left) of the groups it consumed."""
+    out = rows(
+        engine,
+        """
+        SELECT e.consumed_step, count(*),
+               count(*) FILTER (WHERE tr.payload_dropped_at IS NOT NULL),
+               sum((SELECT count(*) FROM trajectory_segments s WHERE s.episode_id = tr.episode_id
+                    AND s.sample_index = tr.sample_index))
+        FROM trajectories tr JOIN episodes e ON e.id = tr.episode_id
+        WHERE e.consumed_step IS NOT NULL GROUP BY 1 ORDER BY 1
+        """,
+    )
+    return {r[0]: (r[1], r[2], r[3]) for r in out}
+
+
+def _train(buf: Buffer, worker_id: int, step: int) -> None:
+    drain_queue(buf, worker_id, version=step)
+    batch = buf.claim_batch(step)
+    assert batch.num_trajectories == 2
+    buf.commit_step(step)
+
+
+def test_consumed_payloads_are_dropped_after_the_retention_and_metadata_stays(
+    db: Database, engine: sa.Engine
+) -> None:
+    add_tasks(db, {"name": "a", "group_size": 2, "max_staleness": 100})
+    buf = make_buffer(db, batch_groups=1, payload_retention_steps=2)
+    buf.seed()
+    w = buf.register_worker("r0")
+    for step in range(5):
+        _train(buf, w.id, step)
+        dropped = buf.drop_old_payloads()
+        # Steps up to step - 2 are dropped, each once: 2 trajectories of 8 tokens (9 bytes each).
+        assert dropped == ((2, 2 * 8 * 9) if step >= 2 else (0, 0))
+        assert buf.drop_old_payloads() == (0, 0)
+    by_step = _by_step(engine)
+    assert by_step == {0: (2, 2, 0), 1: (2, 2, 0), 2: (2, 2, 0), 3: (2, 0, 2), 4: (2, 0, 2)}
+    # Metadata stays queryable: rewards, versions, lengths of every trajectory.
+    meta = rows(
+        engine,
+        "SELECT reward, turn_versions, num_tokens FROM trajectories WHERE status = 'consumed'",
+    )
+    assert len(meta) == 10 and all(m.reward == 1.0 and m.num_tokens == 8 for m in meta)
+    # What is not consumed yet keeps its payload and still trains.
+    drain_queue(buf, w.id, version=5)
+    assert buf.claim_batch(5).num_trajectories == 2
+    assert check_invariants(db, 1).ok
+    with db.transaction() as tx:
+        storage = buffer_stats(tx, None)["storage"]
+    assert storage["payloads_dropped"] == 6
+    assert storage["segments"] == scalar(engine, "SELECT count(*) FROM trajectory_segments")
+    assert storage["payload_bytes"] > 0 and storage["tables"]["trajectory_segments"] > 0
+    assert storage["database_bytes_per_step"] > 0
+
+
+def test_retention_catches_up_in_bounded_passes_and_can_be_off(
+    db: Database, engine: sa.Engine
+) -> None:
+    add_tasks(db, {"name": "a", "group_size": 2, "max_staleness": 100})
+    off = make_buffer(db, batch_groups=1, payload_retention_steps=None)
+    off.seed()
+    w = off.register_worker("r0")
+    for step in range(4):
+        _train(off, w.id, step)
+        assert off.drop_old_payloads() == (0, 0)
+    assert (
+        scalar(engine, "SELECT count(*) FROM trajectories WHERE payload_dropped_at IS NOT NULL")
+        == 0
+    )
+    # Turned on late (keep 0 steps): one step per pass here, oldest first.
+    late = make_buffer(db, batch_groups=1, payload_retention_steps=0)
+    assert [late.drop_old_payloads(max_steps=1)[0] for _ in range(5)] == [2, 2, 2, 2, 0]
+    assert {s: v[1] for s, v in _by_step(engine).items()} == {0: 2, 1: 2, 2: 2, 3: 2}
