@@ -470,6 +470,32 @@ class TimingTrainerConfig(StrictModel):
     )
 
 
+class WeightsConfig(StrictModel):
+    """How published weights reach the rollout engines (docs/architecture.md, "Weights over
+    collectives"). ``files``: each node loads a published version's safetensors file.
+    ``collective``: the trainer's rank 0 broadcasts each version to the live nodes over
+    ``torch.distributed`` (gloo on CPU, NCCL on GPU) right after its step commits; the file is
+    still written, off the trainer's critical path, as the durable copy that a node which missed
+    the broadcast (restarted, late, or in a failed group) loads instead."""
+
+    transport: Literal["files", "collective"] = Field(
+        default="files", description="files or collective (a broadcast from rank 0)"
+    )
+    timeout_s: Seconds = Field(
+        default=30.0,
+        description="collective: each step of a broadcast (forming the group, each bucket); a "
+        "member that does not keep up is dropped from it",
+    )
+    bucket_mb: Annotated[float, b.BUCKET_MB.field()] = Field(
+        default=256.0, description="collective: tensors are sent in buckets of this many MB"
+    )
+    grace_s: Seconds = Field(
+        default=120.0,
+        description="collective: a node that has not received a version this long after it "
+        "saw it published loads it from its file",
+    )
+
+
 class TrainerConfig(StrictModel):
     """The FSDP2 trainer: ``ranks`` Ray actors, gloo on CPU, NCCL on CUDA. With
     ``timing_model`` set, the benchmark's timing model stands in for it instead."""
@@ -559,6 +585,9 @@ class TrainerConfig(StrictModel):
     is_weight_warn_every: Steps = Field(
         default=100, description="steps between repeated warnings while the weight stays out"
     )
+    weights: WeightsConfig = Field(
+        default_factory=WeightsConfig, description="how published weights reach the engines"
+    )
     timing_model: TimingTrainerConfig | None = Field(
         default=None, description="benchmarks only: a timing model instead of the FSDP2 ranks"
     )
@@ -571,6 +600,11 @@ class TrainerConfig(StrictModel):
         # at a checkpoint (a restart never goes back behind a published version). Drifting
         # schedules (e.g. 2 and 3) put checkpoints between publications and publications
         # after checkpoints, which a restart cannot reconcile with the versions published.
+        if self.timing_model is not None and self.weights.transport == "collective":
+            raise ValueError(
+                "trainer.weights.transport: collective needs real weights to broadcast; the "
+                "timing-model trainer publishes none: use files"
+            )
         c, s = self.checkpoint_every, self.sync_every
         if c % s and s % c:
             raise ValueError(

@@ -50,6 +50,7 @@ from orchestrator.errors import (
     NotFoundError,
     UserError,
 )
+from orchestrator.runner.broadcast import Broadcaster
 from orchestrator.runner.drift import DRIFT_EVENT, IsWeightWatch
 from orchestrator.runner.lifecycle import JobLifecycle
 from orchestrator.runner.progress import Pace, Progress, Snapshot
@@ -112,6 +113,12 @@ class JobDriver(TrainerControl):
         self.live = live
         self.actor = actor
         self.supervisor: Any = None
+        weights = config.trainer.weights
+        self.broadcaster = (
+            Broadcaster(weights, config.trainer.device)
+            if weights.transport == "collective"
+            else None
+        )
         self.trainer_restarts = 0
         self.trainer_failures: list[float] = []
         # Fault-injection seam for chaos tests and drills: called by name at points of a step
@@ -313,6 +320,8 @@ class JobDriver(TrainerControl):
                 chat_template=self.chat_template,
                 engine_hook=self.engine_hooks.get(index),
                 endpoint_host=r.agent_endpoint_host,
+                weights_transport=self.cfg.trainer.weights.transport,
+                weights_grace_s=self.cfg.trainer.weights.grace_s,
             ),
             self.cfg.buffer,
         )
@@ -593,7 +602,35 @@ class JobDriver(TrainerControl):
             metrics={k: v for k, v in record.items() if isinstance(v, int | float)},
         )
         record["commit_s"] = time.monotonic() - t4
+        if weights_uri is not None and self.broadcaster is not None:
+            t5 = time.monotonic()
+            self._broadcast(step + 1)
+            record["broadcast_s"] = time.monotonic() - t5
         return record
+
+    def _broadcast(self, version: int) -> None:
+        """Collective transport: the committed version to the live nodes (``broadcast.py``).
+        Never fails the step, which is committed: whoever missed the version loads its file."""
+        from orchestrator.runner import broadcast
+
+        assert self.broadcaster is not None
+        try:
+            result = self.broadcaster.run(version, self.trainer, self.supervisor.members())
+        except Exception as e:  # the trainer died: found by its next call
+            log.warning("broadcasting version %s failed: %s", version, e)
+            result = {
+                "version": version,
+                "members": [],
+                "epochs": [],
+                "loaded": [],
+                "dropped": [],
+                "errors": {"trainer": f"{type(e).__name__}: {e}"[:300]},
+            }
+        self.buffer.event(broadcast.EVENT, broadcast.describe(result), result)
+        # the nodes up that did not get it load its file now rather than after grace_s
+        for name, actor in self.supervisor.named_actors():
+            if name not in result["loaded"]:
+                actor.weights_missed.remote(version)
 
     def _after_step(
         self,

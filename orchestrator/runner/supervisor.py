@@ -97,6 +97,26 @@ class Supervisor:
         with self._lock:
             return [s.actor for s in self.slots if s.actor is not None and s.up]
 
+    def named_actors(self) -> list[tuple[str, Any]]:
+        """(name, actor) of the nodes that are up."""
+        with self._lock:
+            return [(s.name, s.actor) for s in self.slots if s.actor is not None and s.up]
+
+    def members(self) -> list[tuple[str, Any]]:
+        """(name, actor) of the nodes a weight broadcast goes to: up here, and alive in the
+        database as the slot's current incarnation (a membership epoch's members)."""
+        health = {w["name"]: w for w in self.buffer.node_health()}
+        with self._lock:
+            return [
+                (s.name, s.actor)
+                for s in self.slots
+                if s.actor is not None
+                and s.up
+                and s.worker_id is not None
+                and health.get(s.name, {}).get("id") == s.worker_id
+                and health[s.name]["status"] == "alive"
+            ]
+
     @property
     def all_failed(self) -> bool:
         """Every slot is over its restart budget: the job has no rollout node left."""

@@ -158,8 +158,15 @@ def kill_mid_call_and_replay(
     generated = Counter(line.split()[1] for line in (flags / "generates").read_text().splitlines())
     trajectories = rows(
         engine,
-        "SELECT episode_id, sample_index, token_ids, loss_mask, turn_offsets, reward_info "
-        "FROM trajectories WHERE status IN ('ready', 'claimed', 'consumed')",
+        "SELECT episode_id, sample_index, "
+        "(SELECT string_agg(s.token_ids, ''::bytea ORDER BY s.start_token) "
+        " FROM trajectory_segments s WHERE s.episode_id = tr.episode_id "
+        " AND s.sample_index = tr.sample_index), "
+        "(SELECT string_agg(s.loss_mask, ''::bytea ORDER BY s.start_token) "
+        " FROM trajectory_segments s WHERE s.episode_id = tr.episode_id "
+        " AND s.sample_index = tr.sample_index), "
+        "turn_offsets, reward_info "
+        "FROM trajectories tr WHERE status IN ('ready', 'claimed', 'consumed')",
     )
     assert trajectories
     resumed = []

@@ -92,6 +92,10 @@ class NodeConfig:
     tool_format: str = "auto"  # the tool-call format (``workers.rollout.toolcalls``)
     chat_template: str | None = None  # a chat template's source instead of the tokenizer's
     endpoint_host: str = "127.0.0.1"  # where agents' OpenAI-compatible endpoint listens
+    # trainer.weights: "collective": new versions arrive by broadcast (``receive_weights``);
+    # one not received ``weights_grace_s`` after the node saw it published loads from its file
+    weights_transport: str = "files"
+    weights_grace_s: float = 120.0
 
 
 @dataclass
@@ -154,6 +158,8 @@ class NodeStats:
     agent_calls_live: int = 0  # ... calls served now
     agent_generations: int = 0  # ... chat calls that ran the engine
     agent_divergences: int = 0  # ... replays that diverged (the sample restarted from scratch)
+    weights_received: int = 0  # versions loaded from a broadcast (collective transport)
+    weights_receive_failed: int = 0  # broadcasts that did not complete here
 
 
 class NodeBroken(EngineFailure):
@@ -198,6 +204,11 @@ class RolloutNode:
         self._broken: str | None = None  # the breaker tripped: the node ends
         self._weights_error: str | None = None  # the last load failed: no claims until one works
         self._bad_version = -1  # the version whose load failed (not retried)
+        # collective transport: when each newer published version was first seen, the versions
+        # whose broadcast failed here (loaded from files at once), and the first check done
+        self._seen_at: dict[int, float] = {}
+        self._missed: set[int] = set()
+        self._checked_once = False
         self._streak = 0  # episodes failed in a row (the breaker)
         self._loading = False  # a weight load is in progress
         self._progress = 0  # probes and weight loads that ended (progress without tokens)
@@ -601,6 +612,9 @@ class RolloutNode:
 
     def _load_if_newer(self, published: tuple[int, str] | None) -> None:
         if published is None or published[0] <= max(self.engine.version, self._bad_version):
+            self._checked_once = True
+            return
+        if self._awaiting_broadcast(published[0]):
             return
         with self._load_lock:
             if published[0] > max(self.engine.version, self._bad_version):
@@ -619,6 +633,80 @@ class RolloutNode:
                     self._weights_failed(published[0], e)
                 finally:
                     self._loading = False
+
+    def _awaiting_broadcast(self, version: int) -> bool:
+        """Collective transport: a version published while this node runs arrives by
+        broadcast; its file is loaded only when the broadcast failed here, or has not come
+        ``weights_grace_s`` after the version was first seen. The first check after the node
+        starts loads from the file at once (catching up)."""
+        if self.config.weights_transport != "collective":
+            return False
+        first = not self._checked_once
+        self._checked_once = True
+        if first or version in self._missed:
+            return False
+        seen = self._seen_at.setdefault(version, time.monotonic())
+        return time.monotonic() - seen < self.config.weights_grace_s
+
+    def weights_missed(self, version: int) -> None:
+        """Collective transport: the driver says this node did not get ``version`` by
+        broadcast; it loads the version's file at its next weight check."""
+        self._missed.add(version)
+
+    def receive_weights(self, offer: dict[str, Any]) -> dict[str, Any]:
+        """Collective transport: join the offer's group and receive its version, then load it
+        in place (the engine's lock, as a file load). A broadcast that fails here leaves the
+        engine's weights as they were and the version to its file (at the node's next weight
+        check). Returns what happened: ``{"loaded": bool, "error": str | None, ...}``."""
+        from workers import collective
+
+        # A member always takes part (the group needs every rank), also when it has the
+        # version already (from its file, after a failed attempt): it then only discards it.
+        o = collective.Offer.from_json(offer)
+        t0 = time.perf_counter()
+        try:
+            receive = getattr(self.base_engine, "receive_weights", None)
+            if receive is not None:  # the engine receives in its own process (vLLM's worker)
+                with self._load_lock:
+                    self._loading = True
+                    try:
+                        receive(o, who=self.config.name, address=collective.local_address())
+                    finally:
+                        self._loading = False
+                    loaded = True
+            else:
+                staged = collective.receive(o, who=self.config.name)
+                with self._load_lock:
+                    loaded = o.version > self.engine.version
+                    if loaded:
+                        self._loading = True
+                        try:
+                            load_state = getattr(self.base_engine, "load_state", None)
+                            if load_state is None:
+                                raise collective.BroadcastFailed(
+                                    f"the {type(self.base_engine).__name__} engine takes no "
+                                    "broadcast weights"
+                                )
+                            load_state(o.version, staged)
+                        finally:
+                            self._loading = False
+        except collective.BroadcastFailed as e:
+            self._missed.add(o.version)
+            with self._lock:
+                self.stats.weights_receive_failed += 1
+            log.warning("%s: %s; loading it from its file instead", self.config.name, e)
+            return {"loaded": False, "error": str(e)}
+        if not loaded:  # had it already
+            return {"loaded": False, "error": None, "already": True}
+        took = time.perf_counter() - t0
+        with self._lock:
+            self._progress += 1
+            self.stats.weights_received += 1
+            self.stats.weight_loads += 1
+            self.stats.weight_load_s_last = took
+            self.stats.weight_load_s_total += took
+        self._weights_error = None
+        return {"loaded": True, "error": None, "seconds": took}
 
     def _weights_failed(self, version: int, error: Exception) -> None:
         """A load failed inside the engine, which now serves nothing (its weights may be half

@@ -149,7 +149,20 @@ class TrainerGroup:
         }
 
     def publish(self, root: str, version: int) -> str:
-        return str(self._all("publish", root, version, self.config.keep_weights)[0])
+        background = self.config.weights.transport == "collective"
+        return str(self._all("publish", root, version, self.config.keep_weights, background)[0])
+
+    def weights_offer(self) -> dict[str, Any] | None:
+        """Rank 0's offer of the last published version (collective transport)."""
+        offers: list[dict[str, Any] | None] = self._get(
+            "weights_offer", [self.ranks[0].weights_offer.remote()]
+        )
+        return offers[0]
+
+    def broadcast(self, offer: dict[str, Any]) -> Any:
+        """Start rank 0's broadcast of ``offer``; the Ray reference to wait on (seconds, or
+        ``BroadcastFailed``)."""
+        return self.ranks[0].broadcast.remote(offer)
 
     def save_checkpoint(self, path: str, step: int) -> str:
         return str(self._all("save_checkpoint", path, step)[0])

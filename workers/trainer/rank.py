@@ -70,6 +70,12 @@ class TrainerRank:
         self.updates = 0
         self.worker_id: int | None = None
         self._stop = threading.Event()
+        # collective transport (rank 0): the last published version's tensors, the thread
+        # writing its file, and the rendezvous the broadcasts' groups form at
+        self._staged: tuple[int, dict[str, Any]] | None = None
+        self._writer: threading.Thread | None = None
+        self._writer_error: BaseException | None = None
+        self._rendezvous: Any = None
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -309,9 +315,12 @@ class TrainerRank:
             sd.pop("lm_head.weight", None)
         return {k: v.contiguous() for k, v in sd.items()}
 
-    def publish(self, root: str, version: int, keep: int) -> str | None:
-        """Write version ``version``'s weights for the rollout nodes (collective)."""
-        from workers.trainer.weights import publish
+    def publish(self, root: str, version: int, keep: int, background: bool = False) -> str | None:
+        """Write version ``version``'s weights for the rollout nodes (collective). With
+        ``background`` (the collective transport) rank 0 keeps the tensors for ``broadcast``
+        and writes the file on a thread, off the step's critical path: the location returned
+        holds the version once the write is done (readers see all of it or nothing)."""
+        from workers.trainer.weights import publish, version_dir
 
         sd = self.full_state_dict()
         if sd is None:
@@ -320,7 +329,57 @@ class TrainerRank:
         sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
         # the optimizer updates behind these weights: a restart from them resumes the schedule
         meta = {"updates": str(self.updates), "dtype": str(dtype).removeprefix("torch.")}
-        return publish(sd, Path(root), version, keep=keep, metadata=meta)
+        if not background:
+            return publish(sd, Path(root), version, keep=keep, metadata=meta)
+        self.wait_for_files()
+        self._staged = (version, sd)
+
+        def write() -> None:
+            try:
+                publish(sd, Path(root), version, keep=keep, metadata=meta)
+            except BaseException as e:  # raised by the next publish (a trainer failure)
+                self._writer_error = e
+
+        self._writer = threading.Thread(target=write, name=f"publish-v{version}", daemon=True)
+        self._writer.start()
+        return str(version_dir(Path(root), version))
+
+    def wait_for_files(self) -> None:
+        """The previous background publication's file is written (raise if it failed)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._writer_error is not None:
+            error, self._writer_error = self._writer_error, None
+            raise RuntimeError(f"writing published weights failed: {error}") from error
+
+    def weights_offer(self) -> dict[str, Any] | None:
+        """Rank 0: what a broadcast of the last published version carries (its rendezvous,
+        the tensors in order); None on other ranks or before a background publication."""
+        from workers import collective
+
+        if self.rank != 0 or self._staged is None:
+            return None
+        if self._rendezvous is None:
+            self._rendezvous = collective.Rendezvous(collective.local_address())
+        version, sd = self._staged
+        return {
+            "version": version,
+            "host": self._rendezvous.host,
+            "port": self._rendezvous.port,
+            "tensors": [
+                [t.name, t.dtype, list(t.shape), t.nbytes] for t in collective.describe(sd)
+            ],
+        }
+
+    def broadcast(self, offer: dict[str, Any]) -> float:
+        """Rank 0: broadcast the staged version to the offer's group; the seconds it took.
+        Raises ``BroadcastFailed`` when a member failed (the group is aborted; this process
+        goes on)."""
+        from workers import collective
+
+        assert self._staged is not None and self._staged[0] == offer["version"]
+        return collective.send(self._rendezvous, collective.Offer.from_json(offer), self._staged[1])
 
     def publish_dtype(self) -> Any:
         """The dtype weights are published in: the one the forward computes with (bf16 under
@@ -417,6 +476,7 @@ class TrainerRank:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+        self.wait_for_files()
         sd = self.full_state_dict()
         if sd is None:
             return None
@@ -434,6 +494,8 @@ class TrainerRank:
         import torch.distributed as dist
 
         self._stop.set()
+        with contextlib.suppress(Exception):  # the last version's file, if still being written
+            self.wait_for_files()
         if self.worker_id is not None:
             from orchestrator.domain import WorkerStatus
 

@@ -114,10 +114,7 @@ def load_into(model: Any, location: str | Path) -> None:
     targets = model.state_dict()  # detached tensors sharing the parameters' memory
     with path.open("rb", buffering=0) as f:
         header, base = read_header(f)
-        unexpected = sorted(k for k in header if k not in targets)
-        missing = sorted(k for k in targets if k not in header and "lm_head" not in k)
-        if unexpected or missing:
-            raise ValueError(f"{path} does not fit the model: {(unexpected + missing)[:5]}")
+        _check_fits(header, targets, str(path))
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             start, end = info["data_offsets"]
             dst = targets[name]
@@ -137,3 +134,24 @@ def load_into(model: Any, location: str | Path) -> None:
             src = torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
             with torch.no_grad():
                 dst.copy_(src)
+
+
+def _check_fits(names: Any, targets: dict[str, Any], where: str) -> None:
+    """Raise ``ValueError`` naming the keys unless ``names`` are exactly the model's
+    parameters (a tied ``lm_head`` may be absent)."""
+    unexpected = sorted(k for k in names if k not in targets)
+    missing = sorted(k for k in targets if k not in names and "lm_head" not in k)
+    if unexpected or missing:
+        raise ValueError(f"{where} does not fit the model: {(unexpected + missing)[:5]}")
+
+
+def copy_into(model: Any, state: dict[str, Any], where: str = "the version received") -> None:
+    """``load_into`` for tensors already in memory (a broadcast's): each one copied into its
+    parameter (a dtype change on the way), after the same fit check, before changing anything."""
+    import torch
+
+    targets = model.state_dict()
+    _check_fits(state, targets, where)
+    with torch.no_grad():
+        for name, src in state.items():
+            targets[name].copy_(src)

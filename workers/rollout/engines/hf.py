@@ -306,6 +306,18 @@ class HFEngine:
             self._version = version
             self.kv.clear()  # computed with the old weights
 
+    def load_state(self, version: int, state: dict[str, Any]) -> None:
+        """``load_weights`` from tensors in memory (a broadcast's, collective transport)."""
+        from workers.trainer.weights import copy_into
+
+        with self._lock:
+            try:
+                copy_into(self.model, state, f"version {version} as received")
+            except ValueError as e:
+                raise ValueError(f"weights of version {version} do not fit the model: {e}") from e
+            self._version = version
+            self.kv.clear()
+
     def health(self) -> EngineHealth:
         return EngineHealth(self._version, self._tokens, self._requests)
 
