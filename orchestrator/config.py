@@ -727,6 +727,20 @@ class RollcallConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _broadcast_fits(self) -> RollcallConfig:
+        e, w = self.rollout.engine, self.trainer.weights
+        if (
+            w.transport == "collective"
+            and isinstance(e, VLLMEngineConfig)
+            and e.tensor_parallel_size != 1
+        ):
+            raise ValueError(
+                "trainer.weights.transport: collective broadcasts to one vLLM worker per node; "
+                f"rollout.engine.tensor_parallel_size is {e.tensor_parallel_size}: use files"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _temperatures(self) -> RollcallConfig:
         if self.trainer.loss.temperature != self.rollout.temperature:
             raise ValueError(

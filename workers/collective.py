@@ -192,10 +192,13 @@ def send(rendezvous: Rendezvous, offer: Offer, state: dict[str, Any]) -> float:
     return time.perf_counter() - t0
 
 
-def receive(offer: Offer, device: str = "cpu", who: str = "") -> dict[str, Any]:
+def receive(
+    offer: Offer, device: str = "cpu", who: str = "", address: str | None = None
+) -> dict[str, Any]:
     """A member: join the group and receive the version whole; the tensors, on ``device``.
     Raises ``BroadcastFailed`` (the group aborted, nothing returned) when it does not complete
-    within the offer's timeouts."""
+    within the offer's timeouts. ``address``: this machine's, as the others reach it
+    (default ``local_address()``)."""
     import torch
     import torch.distributed as dist
 
@@ -211,7 +214,13 @@ def receive(offer: Offer, device: str = "cpu", who: str = "") -> dict[str, Any]:
             wait_for_workers=False,
         )
         group = _group(
-            store, prefix, offer.rank, offer.world, offer.timeout_s, local_address(), offer.backend
+            store,
+            prefix,
+            offer.rank,
+            offer.world,
+            offer.timeout_s,
+            address or local_address(),
+            offer.backend,
         )
     except Exception as e:
         raise BroadcastFailed(f"joining the group of version {offer.version}: {e}") from e

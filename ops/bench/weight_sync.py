@@ -17,7 +17,15 @@ parameters' memory (``readinto``) concurrently. Both sides run in the page cache
 neither does the publisher), which is where a freshly written file is read from on one machine;
 dirty pages are flushed (``os.sync``) before each of the two writes, outside the timings.
 
+``--transport collective`` measures rollcall's other transport instead (``trainer.weights.
+transport: collective``, ``workers/collective.py``): this process, as the trainer's rank 0,
+broadcasts the version over gloo to 1-N node actors (a group per version, buckets of
+``--bucket-mb``), each receiving it whole into staging memory and copying it into its
+parameters (``HFEngine.load_state``); the figure is broadcast start to loaded by every node.
+
 Usage: python ops/bench/weight_sync.py [--sizes 10,50,100,250,500] [--nodes 4] [--repeats 3]
+       python ops/bench/weight_sync.py --transport collective [--sizes 10,100,1000]
+       [--node-counts 1,2,4] [--bucket-mb 256]
 Prints a table, then (last line) one JSON object with the figures.
 """
 
@@ -121,6 +129,17 @@ class Node:
                     done += n
         return time.perf_counter() - t0
 
+    def receive(self, offer: dict[str, Any]) -> float:
+        """The collective transport's node side: the version received whole, then copied
+        into the parameters (``HFEngine.load_state``)."""
+        from workers import collective
+        from workers.trainer.weights import copy_into
+
+        t0 = time.perf_counter()
+        state = collective.receive(collective.Offer.from_json(offer), address="127.0.0.1")
+        copy_into(self.model, state)
+        return time.perf_counter() - t0
+
     def checksum(self) -> float:
         return float(sum(p.float().sum() for p in self.model.parameters()))
 
@@ -196,13 +215,99 @@ def measure(params: int, nodes: int, repeats: int, root: Path) -> dict[str, Any]
     }
 
 
+def measure_collective(
+    params: int, nodes: int, repeats: int, bucket_mb: float, rendezvous: Any, epoch: list[int]
+) -> dict[str, Any]:
+    import ray
+
+    from workers import collective
+
+    sd = state_dict(params)
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    node_actor: Any = ray.remote(num_cpus=0)(Node)
+    actors: list[Any] = [node_actor.remote(params) for _ in range(nodes)]
+    ray.get([a.checksum.remote() for a in actors])  # constructed
+    runs = []
+    for r in range(repeats):
+        epoch[0] += 1
+        offer = collective.Offer(
+            version=r + 1,
+            epoch=epoch[0],
+            host=rendezvous.host,
+            port=rendezvous.port,
+            world=nodes + 1,
+            rank=0,
+            tensors=collective.describe(sd),
+            bucket_bytes=int(bucket_mb * 2**20),
+            timeout_s=120.0,
+        )
+        t0 = time.perf_counter()
+        refs = [a.receive.remote(offer.for_rank(i + 1).to_json()) for i, a in enumerate(actors)]
+        send_s = collective.send(rendezvous, offer, sd)
+        loads = ray.get(refs)
+        runs.append(
+            {"send_s": send_s, "node_s_max": max(loads), "total_s": time.perf_counter() - t0}
+        )
+    expected = float(sum(t.float().sum() for t in sd.values()))
+    got = float(ray.get(actors[-1].checksum.remote()))
+    for a in actors:
+        ray.kill(a)
+    del sd
+    med = {k: statistics.median(x[k] for x in runs) for k in runs[0]}
+    return {
+        "params_m": params / 1e6,
+        "bytes": nbytes,
+        "nodes": nodes,
+        **med,
+        "gbps_per_node": nbytes / med["total_s"] / 1e9,
+        "checksum_ok": abs(got - expected) <= 1e-3 * max(1.0, abs(expected)),
+        "runs": runs,
+    }
+
+
+def main_collective(args: Any) -> None:
+    import ray
+
+    from workers import collective
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    rendezvous = collective.Rendezvous("127.0.0.1")
+    epoch = [0]
+    rows = []
+    try:
+        print("params | GB (bf16) | nodes | send s | receive+copy s (max) | total s | GB/s | load")
+        for size in (int(x) for x in args.sizes.split(",")):
+            for nodes in (int(x) for x in args.node_counts.split(",")):
+                r = measure_collective(
+                    size * 1_000_000, nodes, args.repeats, args.bucket_mb, rendezvous, epoch
+                )
+                r["load"] = [round(x, 2) for x in os.getloadavg()]
+                rows.append(r)
+                print(
+                    f"{size}M | {r['bytes'] / 1e9:.3f} | {nodes} | {r['send_s']:.3f} | "
+                    f"{r['node_s_max']:.3f} | {r['total_s']:.3f} | {r['gbps_per_node']:.2f} | "
+                    + "/".join(f"{x:g}" for x in r["load"]),
+                    flush=True,
+                )
+    finally:
+        ray.shutdown()
+    print(json.dumps({"benchmark": "weight_sync", "transport": "collective", "rows": rows}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="10,50,100,250,500", help="millions of parameters")
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=None, help="where to publish (default: /tmp)")
+    ap.add_argument("--transport", choices=["files", "collective"], default="files")
+    ap.add_argument("--node-counts", default="1,2,4", help="collective: nodes per run")
+    ap.add_argument("--bucket-mb", type=float, default=256.0, help="collective: bucket size")
     args = ap.parse_args()
+    if args.transport == "collective":
+        main_collective(args)
+        return
 
     import ray
 

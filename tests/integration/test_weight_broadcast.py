@@ -26,7 +26,7 @@ SUPPORT = "tests.support.weights"
 STEPS = 8  # enough for the lost node to be restarted and rejoin before the end
 
 
-def _config(tmp: Path, model: Path, steps: int) -> RollcallConfig:
+def config(tmp: Path, model: Path, steps: int, **rollout: Any) -> RollcallConfig:
     return RollcallConfig.model_validate(
         {
             "job": {"name": "bcast"},
@@ -39,6 +39,7 @@ def _config(tmp: Path, model: Path, steps: int) -> RollcallConfig:
                 "max_tokens": 256,
                 "heartbeat_interval_s": 0.5,
                 "restart_backoff_s": 0.5,
+                **rollout,
             },
             "trainer": {
                 "lr": 1e-3,
@@ -72,7 +73,7 @@ def _config(tmp: Path, model: Path, steps: int) -> RollcallConfig:
     )
 
 
-def _run(
+def run_job(
     cfg: RollcallConfig,
     db: Database,
     model: Path,
@@ -92,7 +93,7 @@ def _run(
         driver.close()
 
 
-def _broadcasts(engine: sa.Engine) -> list[dict[str, Any]]:
+def broadcasts(engine: sa.Engine) -> list[dict[str, Any]]:
     return [
         r[0]
         for r in rows(
@@ -101,7 +102,7 @@ def _broadcasts(engine: sa.Engine) -> list[dict[str, Any]]:
     ]
 
 
-def _nothing_lost(db: Database, engine: sa.Engine, steps: int) -> None:
+def nothing_lost(db: Database, engine: sa.Engine, steps: int) -> None:
     job = scalar(engine, "SELECT id FROM jobs WHERE name = 'bcast'")
     report = check_invariants(db, job)
     assert report.ok, report.summary()
@@ -114,9 +115,9 @@ def _nothing_lost(db: Database, engine: sa.Engine, steps: int) -> None:
 def test_every_version_is_broadcast_to_both_nodes(
     ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:
-    result = _run(_config(tmp_path, tiny_dir, 4), db, tiny_dir, tmp_path, None)
+    result = run_job(config(tmp_path, tiny_dir, 4), db, tiny_dir, tmp_path, None)
     assert result.steps == 4
-    events = _broadcasts(engine)
+    events = broadcasts(engine)
     assert [e["version"] for e in events] == [1, 2, 3, 4]
     for e in events:  # one group each, every member loaded it, nobody dropped
         assert sorted(e["loaded"]) == sorted(e["members"]), e
@@ -128,7 +129,7 @@ def test_every_version_is_broadcast_to_both_nodes(
     turns = rows(engine, "SELECT DISTINCT unnest(turn_versions) FROM trajectories")
     assert {v[0] for v in turns} & {2, 3}, turns
     assert (Path(result.run_dir) / "weights" / "v000004" / "model.safetensors").is_file()
-    _nothing_lost(db, engine, 4)
+    nothing_lost(db, engine, 4)
 
 
 @pytest.mark.timeout(600)
@@ -153,11 +154,11 @@ def test_a_node_lost_mid_broadcast_is_dropped_and_the_others_load_the_version(
         steps take one), so that versions go to both: the late joiner's part of the test."""
         wait_for("both nodes members", lambda: len(driver.supervisor.members()) == 2, timeout_s=120)
 
-    config = _config(tmp_path, tiny_dir, STEPS)
-    result = _run(config, db, tiny_dir, tmp_path, hook, both_members)
+    cfg = config(tmp_path, tiny_dir, STEPS)
+    result = run_job(cfg, db, tiny_dir, tmp_path, hook, both_members)
     assert result.steps == STEPS
     assert list(flags.glob("armed-*")), "the node was never armed"
-    events = _broadcasts(engine)
+    events = broadcasts(engine)
     lost = [e for e in events if e["dropped"]]
     # rollout-1 stopped or died after bucket 2 of the first version: dropped; the group
     # re-formed from rollout-0 alone, which loaded the version. (A stopped node not yet found
@@ -177,4 +178,4 @@ def test_a_node_lost_mid_broadcast_is_dropped_and_the_others_load_the_version(
         "SELECT loaded_version FROM workers WHERE name = 'rollout-1' ORDER BY id DESC LIMIT 1",
     )[0][0]
     assert last == STEPS, last
-    _nothing_lost(db, engine, STEPS)
+    nothing_lost(db, engine, STEPS)

@@ -181,15 +181,36 @@ class RollcallWorkerExtension:
     def rollcall_load_weights(self, location: str) -> dict[str, int]:
         """Load a published version in place through vLLM's layer-wise reload; raise if any
         parameter was left unset."""
-        import torch
         from safetensors.torch import load_file
+
+        state = load_file(str(Path(location) / WEIGHTS_FILE), device="cpu")
+        return self._rollcall_load(state, location)
+
+    def rollcall_receive_weights(
+        self, offer: dict[str, Any], who: str, address: str
+    ) -> dict[str, Any]:
+        """Collective transport: join the offer's group, receive the version whole into
+        staging memory, then load it as ``rollcall_load_weights`` does. A broadcast that does
+        not complete returns ``{"error": ...}`` with the model untouched; a load that fails
+        raises (the engine's weights may then be half replaced)."""
+        from workers import collective
+
+        o = collective.Offer.from_json(offer)
+        device = "cuda" if o.backend == "nccl" else "cpu"
+        try:
+            state = collective.receive(o, device=device, who=who, address=address)
+        except collective.BroadcastFailed as e:
+            return {"error": str(e)}
+        return {"error": None, **self._rollcall_load(state, f"version {o.version} as received")}
+
+    def _rollcall_load(self, state: dict[str, Any], where: str) -> dict[str, int]:
+        import torch
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
-        state = load_file(str(Path(location) / WEIGHTS_FILE), device="cpu")
         model = self.model_runner.get_model()
         expected = {name for name, _ in model.named_parameters()}
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
@@ -203,9 +224,7 @@ class RollcallWorkerExtension:
                 method.process_weights_after_loading(lm_head)
         missing = sorted(expected - set(loaded or ()))
         if missing:
-            raise ValueError(
-                f"{location}: {len(missing)} parameters were not in the file: {missing[:5]}"
-            )
+            raise ValueError(f"{where}: {len(missing)} parameters were not in it: {missing[:5]}")
         return {"tensors": len(state), "parameters": len(expected)}
 
     def rollcall_watch(self, owner_pid: int, interval_s: float = 0.5) -> tuple[int, int]:
@@ -332,6 +351,19 @@ class VLLMEngine:
             raise FileNotFoundError(f"no weights of version {version} at {path}")
         self._call(
             self._load(version, location), self.config.load_timeout_s, f"loading version {version}"
+        )
+
+    def receive_weights(self, offer: Any, *, who: str = "", address: str = "127.0.0.1") -> None:
+        """Collective transport: vLLM's worker joins the broadcast of ``offer``
+        (``workers.collective.Offer``) and loads the version in place, under the same gate as
+        a file load. Raises ``BroadcastFailed`` when the broadcast did not complete (the
+        weights untouched: the engine serves on with its current version)."""
+        from workers import collective
+
+        rounds = len(collective.buckets(offer.tensors, offer.bucket_bytes)) + 2
+        timeout = max(self.config.load_timeout_s, offer.timeout_s * rounds)
+        self._call(
+            self._receive(offer, who, address), timeout, f"receiving version {offer.version}"
         )
 
     def health(self) -> EngineHealth:
@@ -498,6 +530,28 @@ class VLLMEngine:
                 raise
             self._broken = None
             self._version = version
+
+    async def _receive(self, offer: Any, who: str, address: str) -> None:
+        from workers import collective
+
+        async with self._gate.exclusive():
+            try:
+                results = await self._engine.collective_rpc(
+                    "rollcall_receive_weights", args=(offer.to_json(), who, address)
+                )
+            except BaseException as e:
+                self._broken = (
+                    f"loading the weights of version {offer.version} failed "
+                    f"({type(e).__name__}: {e}); the engine serves nothing until a later "
+                    "version loads"
+                )
+                raise
+            errors = [r["error"] for r in results if r.get("error")]
+            if errors:  # nothing was loaded
+                raise collective.BroadcastFailed(errors[0])
+            await self._reset_prefix_cache()
+            self._broken = None
+            self._version = offer.version
 
     async def _reset_prefix_cache(self) -> None:
         for _ in range(RESET_ATTEMPTS):
