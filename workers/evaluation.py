@@ -86,6 +86,9 @@ class Evaluator:
         from workers.rollout.agent import AgentLoop, Limits
 
         if location is not None and version != self.engine.version:
+            from workers.trainer.weights import wait_published
+
+            wait_published(location)  # written in the background (collective transport)
             self.engine.load_weights(version, location)
 
         def one(job: tuple[EvalTask, int]) -> tuple[str, float]:

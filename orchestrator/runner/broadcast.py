@@ -97,6 +97,8 @@ class Broadcaster:
             if sent:
                 break
             members = answered
+        for name in out["loaded"]:  # an earlier attempt's error, since recovered from
+            out["errors"].pop(name, None)
         out["seconds"] = round(time.monotonic() - t0, 3)
         return out
 

@@ -577,7 +577,14 @@ class JobDriver(TrainerControl):
         t3 = time.monotonic()
         weights_uri = None
         if (step + 1) % cfg.sync_every == 0 or last:
-            weights_uri = self.trainer.publish(str(self.run_dir.weights), step + 1)
+            if self.broadcaster is None:
+                weights_uri = self.trainer.publish(str(self.run_dir.weights), step + 1)
+            else:
+                # the file is written off the critical path when this step's checkpoint holds
+                # the same weights; else it is what a restarted trainer resumes from: at once
+                weights_uri = self.trainer.publish(
+                    str(self.run_dir.weights), step + 1, background=ckpt is not None
+                )
         t4 = time.monotonic()
         record: dict[str, Any] = {
             "kind": "step",

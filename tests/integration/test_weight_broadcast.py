@@ -7,6 +7,7 @@ joiner), and the job goes on with nothing lost or duplicated."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,16 @@ def nothing_lost(db: Database, engine: sa.Engine, steps: int) -> None:
 def test_every_version_is_broadcast_to_both_nodes(
     ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:
-    result = run_job(config(tmp_path, tiny_dir, 4), db, tiny_dir, tmp_path, None)
+    cfg = config(tmp_path, tiny_dir, 4)
+    # evaluation loads each version's file, written in the background
+    cfg = cfg.model_copy(
+        update={
+            "run": cfg.run.model_copy(
+                update={"eval": cfg.run.eval.model_copy(update={"every": 2, "episodes": 1})}
+            )
+        }
+    )
+    result = run_job(cfg, db, tiny_dir, tmp_path, None)
     assert result.steps == 4
     events = broadcasts(engine)
     assert [e["version"] for e in events] == [1, 2, 3, 4]
@@ -130,6 +140,9 @@ def test_every_version_is_broadcast_to_both_nodes(
     assert {v[0] for v in turns} & {2, 3}, turns
     assert (Path(result.run_dir) / "weights" / "v000004" / "model.safetensors").is_file()
     nothing_lost(db, engine, 4)
+    records = (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()
+    evals = {r["step"] for r in map(json.loads, records) if r["kind"] == "eval"}
+    assert evals == {0, 2, 4}, evals
 
 
 @pytest.mark.timeout(600)

@@ -148,8 +148,9 @@ class TrainerGroup:
             "lr": results[0]["lr"],
         }
 
-    def publish(self, root: str, version: int) -> str:
-        background = self.config.weights.transport == "collective"
+    def publish(self, root: str, version: int, background: bool = False) -> str:
+        """``background``: rank 0 writes the file on a thread and keeps the tensors for a
+        broadcast (collective transport)."""
         return str(self._all("publish", root, version, self.config.keep_weights, background)[0])
 
     def weights_offer(self) -> dict[str, Any] | None:

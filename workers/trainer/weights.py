@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,18 @@ def publish_with(write: Callable[[Path], None], root: Path, version: int, *, kee
     for old in versions[: max(0, len(versions) - keep)]:
         shutil.rmtree(old, ignore_errors=True)
     return str(final)
+
+
+def wait_published(location: str | Path, timeout_s: float = 120.0) -> bool:
+    """Wait until the version at ``location`` is in place (a file written in the background,
+    collective transport); whether it is."""
+    path = Path(location) / WEIGHTS_FILE
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def read_metadata(location: str | Path) -> dict[str, str]:
