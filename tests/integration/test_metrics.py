@@ -291,6 +291,7 @@ def test_metrics_scraped_during_a_short_job(
                     "staleness-expiry",
                     "dead-worker-sweep",
                     "supervise",
+                    "payload-retention",
                     "metrics",
                 },
             },
