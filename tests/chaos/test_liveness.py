@@ -153,15 +153,21 @@ def test_a_job_left_with_no_rollout_node_stops_with_one_sentence(
 def test_a_broken_engine_beside_a_healthy_one_quarantines_nothing(
     ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:
-    cfg = _config(tmp_path, tiny_dir, steps=4, nodes=2, max_restarts=2, restart_window_s=600)
+    # steps: a ceiling; the job stops once rollout-1's breaker tripped (else a fast healthy
+    # node could finish the job before the broken one failed three episodes)
+    cfg = _config(tmp_path, tiny_dir, steps=200, nodes=2, max_restarts=2, restart_window_s=600)
     driver = _driver(cfg, db, tiny_dir, tmp_path)
     driver.engine_hooks[1] = f"{HOOKS}:broken"
-    result = _run_with(driver, lambda: None)
-    assert result.steps == 4
+
+    def until_tripped() -> None:
+        wait_for("rollout-1's breaker", lambda: _events(engine, "worker.breaker_tripped"), 300)
+
+    result = _run_with(driver, until_tripped, stop_after_fault=True)
+    assert result.steps >= 1
     assert scalar(engine, "SELECT coalesce(sum(quarantined_episodes), 0) FROM tasks") == 0
     assert scalar(engine, "SELECT count(*) FROM episodes WHERE status = 'quarantined'") == 0
     tripped = _events(engine, "worker.breaker_tripped")
     assert tripped and all("rollout-1" not in m or "RuntimeError" in m for m, _ in tripped)
     # the healthy node was never restarted and did the work
     assert scalar(engine, "SELECT max(incarnation) FROM workers WHERE name = 'rollout-0'") == 0
-    _assert_nothing_lost(db, engine, 4)
+    _assert_nothing_lost(db, engine, result.steps)
