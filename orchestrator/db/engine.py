@@ -18,6 +18,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from orchestrator.db import jsontext
 from orchestrator.db.repos.batches import BatchRepository
 from orchestrator.db.repos.episodes import EpisodeRepository
 from orchestrator.db.repos.events import EventRepository
@@ -80,6 +81,9 @@ class Database:
             pool_size=pool_size,
             max_overflow=pool_size,
             connect_args={"application_name": APPLICATION_NAME, "connect_timeout": 10},
+            # any text in JSON, U+0000 included (jsonb rejects it): see jsontext
+            json_serializer=jsontext.dumps,
+            json_deserializer=jsontext.loads,
         )
         event.listen(self.engine, "connect", _set_session_defaults)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False, autoflush=True)

@@ -15,6 +15,8 @@ from psycopg.rows import namedtuple_row
 from psycopg.types.json import Jsonb
 from sqlalchemy.orm import Session
 
+from orchestrator.db import jsontext
+
 
 def cursor(session: Session) -> psycopg.Cursor[Any]:
     """A cursor on the session's connection, inside its current transaction."""
@@ -24,4 +26,4 @@ def cursor(session: Session) -> psycopg.Cursor[Any]:
 
 
 def jsonb(value: Any) -> Jsonb:
-    return Jsonb(value)
+    return Jsonb(value, dumps=jsontext.dumps)

@@ -161,6 +161,9 @@ def test_a_broken_engine_beside_a_healthy_one_quarantines_nothing(
 
     def until_tripped() -> None:
         wait_for("rollout-1's breaker", lambda: _events(engine, "worker.breaker_tripped"), 300)
+        # and a step trained from the healthy node's work (the breaker can trip first: seen
+        # in CI, the job stopped at step 0)
+        wait_for("a step from rollout-0", lambda: driver.step >= 1, 300)
 
     result = _run_with(driver, until_tripped, stop_after_fault=True)
     assert result.steps >= 1

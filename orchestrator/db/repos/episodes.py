@@ -29,6 +29,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from orchestrator.db import raw
+from orchestrator.db.jsontext import plain_text
 from orchestrator.db.models import Episode
 from orchestrator.quotas import TaskLoad
 
@@ -317,7 +318,7 @@ class EpisodeRepository:
                     "lease_expires_at = NULL, lease_epoch = lease_epoch + 1, last_error = :err, "
                     "updated_at = now() WHERE id = ANY(:ids)"
                 ),
-                {"ids": requeue, "err": error},
+                {"ids": requeue, "err": plain_text(error)},
             )
             out += [Requeued(r.id, r.task_id, False) for r in rows if r.attempts < max_attempts]
         if quarantine:
@@ -328,7 +329,7 @@ class EpisodeRepository:
                     "lease_expires_at = NULL, lease_epoch = lease_epoch + 1, last_error = :err, "
                     "finished_at = now(), updated_at = now() WHERE id = ANY(:ids)"
                 ),
-                {"ids": ids, "err": error},
+                {"ids": ids, "err": plain_text(error)},
             )
             self.session.execute(
                 text(
@@ -353,7 +354,7 @@ class EpisodeRepository:
                     "attempts = greatest(attempts - 1, 0), updated_at = now() "
                     "WHERE id = ANY(:ids)"
                 ),
-                {"ids": ids, "err": error},
+                {"ids": ids, "err": plain_text(error)},
             )
         return [Requeued(r.id, r.task_id, False) for r in rows]
 

@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from orchestrator.db import jsontext
 from orchestrator.db.models import Event
 from orchestrator.domain import EventView
 
@@ -43,7 +44,7 @@ class EventRepository:
         ev = Event(
             kind=kind,
             actor=actor,
-            message=message,
+            message=jsontext.plain_text(message),
             job_id=job_id,
             task_id=task_id,
             worker_id=worker_id,
