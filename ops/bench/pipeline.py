@@ -177,6 +177,17 @@ def config_for(setup: Setup, name: str, url: str, run_dir: Path) -> RollcallConf
          "max_staleness": setup.max_staleness, "spec": spec}
         for n, spec in setup.task_specs()
     ]  # fmt: skip
+    # Timeouts in real seconds, so they follow the time scale: the longest modelled tool call
+    # (tool_cap_s) and turn must not be taken for a hung tool or node. At a large scale (1,000
+    # loops: 3 real seconds per simulated one) the defaults (5 s, 30 s) would kill tool
+    # processes mid-call and restart them, which is the benchmark's fault, not the workload's.
+    tool_cap_s = LongtailSpec.model_fields["tool_cap_s"].default
+    tool_timeout_s = tool_cap_s * setup.scale * 1.5 + 5.0
+    e = setup.engine_config()
+    turn_s = (e.turn_tokens_max * e.decode_s_per_token + MAX_TOKENS * e.prefill_s_per_token) * (
+        setup.scale
+    )
+    progress_timeout_s = tool_timeout_s + 10.0 + max(30.0, 4 * turn_s)
     return RollcallConfig.model_validate(
         {
             "job": {"name": name},
@@ -192,7 +203,9 @@ def config_for(setup: Setup, name: str, url: str, run_dir: Path) -> RollcallConf
                 "max_tokens_per_turn": MAX_TOKENS_PER_TURN,
                 "max_tokens": MAX_TOKENS,
                 "start_timeout_s": 300,
+                "tool_timeout_s": tool_timeout_s,
             },
+            "control_plane": {"progress_timeout_s": progress_timeout_s},
             "trainer": {"cpus_per_rank": 0.1, "timing_model": setup.trainer_config().model_dump()},
             "run": {"mode": setup.mode, "total_steps": setup.steps, "dir": str(run_dir),
                     "eval": {"every": 0, "episodes": 0}},
@@ -595,6 +608,9 @@ def _row(r: dict[str, Any], b: Bounds) -> dict[str, Any]:
         "cp_cpu_ms_per_traj": cp["cpu_ms_per_traj"],
         "pg_cpu_ms_per_traj": cp["pg_cpu_ms_per_traj"],
         "node_cpu_ms_per_traj": cp["node_process_cpu_ms_per_traj"],
+        "wal_kb_per_traj": cp["wal_kb_per_traj"],
+        "wal_mb_per_s": cp["wal_mb_per_s"],
+        "machine_busy": cp["machine_busy"],
         "expired_frac": r["expired_frac"],
         "staleness_mean": r["staleness_mean"],
         "load": r["load_after"],
@@ -605,8 +621,8 @@ def _row(r: dict[str, Any], b: Bounds) -> dict[str, Any]:
 def print_scaling_row(row: dict[str, Any], *, header: bool) -> None:
     cols = ("nodes", "tasks", "loops", "traj/h (sim)", "real/s", "eff", "eff (mix)",
             "claim p50/p99 ms",
-            "claims/traj", "cp ms/traj", "cp cpu ms/traj", "pg cpu", "node cpu", "expired",
-            "load")  # fmt: skip
+            "claims/traj", "cp ms/traj", "cp cpu ms/traj", "pg cpu", "node cpu", "WAL kB/traj",
+            "WAL MB/s", "machine busy", "expired", "load")  # fmt: skip
     if header:
         print(" | ".join(cols))
     print(
@@ -618,7 +634,9 @@ def print_scaling_row(row: dict[str, Any], *, header: bool) -> None:
                 f"{row['claim_p50_ms']}/{row['claim_p99_ms']}",
                 f"{row['claims_per_traj']:.2f}", f"{row['cp_wall_ms_per_traj']:.1f}",
                 f"{row['cp_cpu_ms_per_traj']:.1f}", f"{row['pg_cpu_ms_per_traj']:.1f}",
-                f"{row['node_cpu_ms_per_traj']:.1f}", f"{row['expired_frac']:.1%}",
+                f"{row['node_cpu_ms_per_traj']:.1f}", f"{row['wal_kb_per_traj']:.0f}",
+                f"{row['wal_mb_per_s']:.2f}", f"{row['machine_busy']:.0%}",
+                f"{row['expired_frac']:.1%}",
                 "/".join(f"{x:g}" for x in row["load"]),
             ]
         ),

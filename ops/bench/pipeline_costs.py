@@ -42,6 +42,22 @@ def postgres_cpu_s(pgdata: Path) -> tuple[float, int]:
     return total, children
 
 
+def wal_position(db: Any) -> int:
+    """The database's current write-ahead log position, in bytes."""
+    import sqlalchemy as sa
+
+    with db.engine.connect() as conn:
+        lsn = conn.execute(sa.text("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")).scalar_one()
+    return int(lsn)
+
+
+def machine_jiffies() -> tuple[int, int]:
+    """All cores' busy and total jiffies since boot (``/proc/stat``; idle and iowait are idle)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    total = sum(fields[:8])
+    return total - fields[3] - fields[4], total
+
+
 @dataclass
 class Snap:
     at: float
@@ -51,6 +67,8 @@ class Snap:
     pg_cpu_s: float
     pg_processes: int
     driver_cpu_s: float
+    wal_bytes: int  # pg_current_wal_lsn() as a byte position
+    machine: tuple[int, int]  # /proc/stat: busy and total jiffies of all cores
 
 
 class Monitor(threading.Thread):
@@ -83,9 +101,11 @@ class Monitor(threading.Thread):
         if not reports:  # the nodes are stopping (the job's end) or restarting
             return None
         pg_cpu, pg_procs = postgres_cpu_s(self.pgdata)
+        wal = wal_position(self.driver.db)
         driver_ops = self.driver_ops_at.get(step) or self.driver.buffer.timings.snapshot()
         return Snap(
             time.monotonic(), step, reports, driver_ops, pg_cpu, pg_procs, time.process_time(),
+            wal, machine_jiffies(),
         )  # fmt: skip
 
     def run(self) -> None:
@@ -126,6 +146,9 @@ def window_costs(a: Snap, b: Snap) -> dict[str, Any]:
         "node_cpu_s": node_cpu,
         "pg_cpu_s": b.pg_cpu_s - a.pg_cpu_s,
         "driver_cpu_s": b.driver_cpu_s - a.driver_cpu_s,
+        "wal_bytes": b.wal_bytes - a.wal_bytes,
+        # the whole machine's busy share (all processes: nodes, tools, Ray, PostgreSQL, driver)
+        "machine_busy": (b.machine[0] - a.machine[0]) / max(1, b.machine[1] - a.machine[1]),
         "samples_committed": committed,
     }
 
@@ -169,6 +192,11 @@ def control_plane(setup: Setup, costs: dict[str, Any], span_s: float, steps: int
         # longer, the database calls as long as here)
         "rollout_share_at_scale_1": node_wall / (loops * span_s / setup.scale),
         "driver_share_at_scale_1": driver_wall / (span_s / setup.scale),
+        # the write-ahead log: every write the database makes (what a replica or a backup
+        # receives), per trajectory and per real second of the window
+        "wal_kb_per_traj": costs["wal_bytes"] / trajectories / 1000,
+        "wal_mb_per_s": costs["wal_bytes"] / span_s / 1e6,
+        "machine_busy": costs["machine_busy"],
         "claim_calls": claim["calls"],
         "claim_p50_ms": _ms(timings.percentile_s(claim["hist"], 50)),
         "claim_p99_ms": _ms(timings.percentile_s(claim["hist"], 99)),

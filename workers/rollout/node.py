@@ -54,6 +54,7 @@ from tasks import registry
 from tasks.agent import AgentSpec
 from tasks.base import TaskPlugin, TaskSpec
 from workers.agents.runtime import AgentRun
+from workers.rollout import tools
 from workers.rollout.agent import AgentLoop, Limits, Trajectory
 from workers.rollout.chat import chat_for
 from workers.rollout.engines.base import (
@@ -414,6 +415,7 @@ class RolloutNode:
         try:
             plugin = registry.get(claim.plugin)
             spec = plugin.Spec.model_validate(claim.spec)
+            tools.preload(type(plugin).__module__)
         except Exception as e:  # the episode's task cannot be read: the episode's failure
             log.exception("episode %s cannot be started", lease.episode_id)
             with self._lock:
