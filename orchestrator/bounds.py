@@ -104,6 +104,7 @@ STEPS_OR_ZERO = Range(0, 10_000_000)
 KEEP = Range(1, 1_000)  # checkpoints / published weight versions kept
 RESTARTS = Range(0, 10_000)
 NODES = Range(1, 4_096)  # rollout nodes, trainer ranks, agent loops per node
+CONNECTIONS = Range(1, 1_000)  # a process's database connections
 CPUS = Range(1, 100_000)  # a local Ray's num_cpus
 RAY_AMOUNT = Range(0, 10_000)  # CPUs, GPUs or custom resources of one actor (0: none)
 RAY_AMOUNT_MIN = 1e-4  # Ray's resolution: a non-zero amount below it is an error

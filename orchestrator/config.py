@@ -402,6 +402,11 @@ class RolloutConfig(StrictModel):
         description="a tool call not answered by then is an error observation (the tool "
         "process is replaced)",
     )
+    db_connections: Annotated[int, b.CONNECTIONS.field()] = Field(
+        default=8,
+        description="PostgreSQL connections of each rollout node, shared by its agent loops and "
+        "heartbeat (a call waits for a free one); the database serves nodes x this",
+    )
     agent_endpoint_host: str = Field(
         default="127.0.0.1",
         description="where each node's OpenAI-compatible endpoint for agent tasks listens "

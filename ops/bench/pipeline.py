@@ -453,6 +453,12 @@ def main() -> None:
     ap.add_argument("--grid-nodes", default="1,2,4,8,16")
     ap.add_argument("--grid-tasks", default="1,4,16")
     ap.add_argument("--grid-steps", type=int, default=8, help="scaling: measured steps")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=1.5,
+        help="scaling: warm-up of at least this many trajectory durations (the ramp)",
+    )
     ap.add_argument("--home", type=Path, default=None, help="default: a temporary folder")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = ap.parse_args()
@@ -570,6 +576,10 @@ def scaling(
             per_version_s = setup.batch_groups * setup.group_size * probe.traj_s / loops
             staleness = math.ceil(2 * probe.group_span_s / per_version_s) + 2
             train_s = per_version_s / 1.5
+            # every loop starts at once, so completions ramp up over about one trajectory's
+            # duration (loops / rate real seconds); the window starts after --settle of them
+            settle_steps = math.ceil(args.settle * loops / (setup.batch_groups * setup.group_size))
+            setup = replace(setup, warmup=max(setup.warmup, settle_steps))
             t = setup.trainer_config()
             per_token = max(0.0, train_s - t.step_s - t.checkpoint_s - t.publish_s) / max(
                 1.0, probe.batch_tokens

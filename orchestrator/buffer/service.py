@@ -100,6 +100,9 @@ class Buffer:
         driver_epoch: int | None = None,
     ) -> None:
         self.db = db
+        # heartbeats' own database (a node's: its loops, waiting for their pool's connections,
+        # never hold a heartbeat back); None: ``db``
+        self.beat_db: Database | None = None
         self.job_id = job_id
         # The job driver's epoch (``jobs.driver_epoch`` when it took the job): its batch claims
         # and step commits are refused once another driver took the job. None: not fenced.
@@ -364,7 +367,7 @@ class Buffer:
         """``heartbeat`` that also says whether the worker is still alive: False once it has
         been declared dead (it must stop; a new incarnation takes its place). ``progress``: the
         worker proved it works without generating tokens (a probe or a weight load ended)."""
-        with self.db.transaction() as tx:
+        with (self.beat_db or self.db).transaction() as tx:
             if not tx.workers.heartbeat(worker_id, tokens_generated, loaded_version, progress):
                 return False, []
             return True, tx.episodes.renew(worker_id, self.config.lease_s)

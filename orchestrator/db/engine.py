@@ -69,7 +69,14 @@ class Tx:
 
 
 class Database:
-    def __init__(self, url: URL, target: DatabaseTarget, *, pool_size: int = 5) -> None:
+    def __init__(
+        self,
+        url: URL,
+        target: DatabaseTarget,
+        *,
+        pool_size: int = 5,
+        max_overflow: int | None = None,
+    ) -> None:
         self.url = url
         self.target = target
         self.engine: Engine = create_engine(
@@ -79,7 +86,10 @@ class Database:
             # invalidates the pool, and the caller's retry gets a fresh connection.
             pool_pre_ping=False,
             pool_size=pool_size,
-            max_overflow=pool_size,
+            # beyond the pool, as many again unless bounded (a node's pool: its loops wait)
+            max_overflow=pool_size if max_overflow is None else max_overflow,
+            # a waiter past this gets TimeoutError, which the callers retry (db/retry.py)
+            pool_timeout=60,
             connect_args={"application_name": APPLICATION_NAME, "connect_timeout": 10},
             # any text in JSON, U+0000 included (jsonb rejects it): see jsontext
             json_serializer=jsontext.dumps,
@@ -160,6 +170,7 @@ def open_database(
     home: str | Path | None = None,
     verify_schema: bool = True,
     pool_size: int = 5,
+    max_overflow: int | None = None,
 ) -> Database:
     """Resolve, (start,) connect and, unless told otherwise, verify the schema is at head."""
     target = resolve_database(explicit_url, config_url, home)
@@ -169,7 +180,7 @@ def open_database(
         raw = EmbeddedPostgres(target.home).ensure_running()
     else:
         raw = target.url
-    db = Database(normalise_url(raw), target, pool_size=pool_size)
+    db = Database(normalise_url(raw), target, pool_size=pool_size, max_overflow=max_overflow)
     try:
         db.check_connection()
         if verify_schema:

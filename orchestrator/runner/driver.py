@@ -322,6 +322,7 @@ class JobDriver(TrainerControl):
                 endpoint_host=r.agent_endpoint_host,
                 weights_transport=self.cfg.trainer.weights.transport,
                 weights_grace_s=self.cfg.trainer.weights.grace_s,
+                db_connections=r.db_connections,
             ),
             self.cfg.buffer,
         )

@@ -47,7 +47,7 @@ from typing import Any
 from orchestrator.buffer.service import Buffer
 from orchestrator.buffer.types import ClaimedEpisode, Lease
 from orchestrator.config import BufferConfig, EngineConfig, HFEngineConfig
-from orchestrator.db.engine import open_database
+from orchestrator.db.engine import Database, open_database
 from orchestrator.domain import SampleState, WorkerStatus
 from orchestrator.errors import StaleLeaseError
 from tasks import registry
@@ -97,6 +97,15 @@ class NodeConfig:
     # one not received ``weights_grace_s`` after the node saw it published loads from its file
     weights_transport: str = "files"
     weights_grace_s: float = 120.0
+    # connections to PostgreSQL, shared by the loops (a connection per loop does not scale:
+    # 64 loops x 16 nodes ran a 300-connection server out of connections)
+    db_connections: int = 8
+
+
+def node_database(database_url: str, config: NodeConfig) -> Database:
+    """The node's database: a pool of ``db_connections``, no overflow; a call waits for a free
+    connection (a checkpoint holds one for a few milliseconds)."""
+    return open_database(database_url, pool_size=config.db_connections, max_overflow=0)
 
 
 @dataclass
@@ -174,8 +183,9 @@ class RolloutNode:
     ) -> None:
         self.config = config
         preload(config.engine)  # before registering: imports stall every thread (see preload)
-        self.db = open_database(database_url, pool_size=config.concurrency + 3)
+        self.db = node_database(database_url, config)
         self.buffer = Buffer(self.db, job_id, buffer or BufferConfig())
+        self.buffer.beat_db = open_database(database_url, pool_size=1, max_overflow=0)
         # Registered ``starting`` before the engine loads, and beating from then on: a node
         # whose start is slow (imports, a model load on a busy machine) shows it is alive, and
         # the supervisor tells it from one that never came up.
