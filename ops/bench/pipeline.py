@@ -25,8 +25,9 @@ calibrates the trainer (training a batch takes 1/``--ratio`` of the sync rollout
 rollout time about 10x training time) and computes each mode's theoretical bound.
 
 Modes: ``compare`` (default; sync then async on the same resources), ``scaling`` (async with
-1, 2, 4, 8, 16 rollout nodes and 1, 4, 16 tasks: claim latency, control-plane CPU per
-trajectory and throughput), ``async``/``sync`` (one run).
+1, 2, 4, 8, 16 rollout nodes and 1, 4, 16 tasks: claim latency, control-plane and PostgreSQL
+CPU per trajectory, WAL bytes, the machine's busy share and throughput; ``--concurrency 64``
+makes 16 nodes a 1,024-loop fleet), ``async``/``sync`` (one run).
 
 Usage: python ops/bench/pipeline.py [--quick] [--mode compare|scaling|async|sync] [--scale 0.02]
        [--nodes 4] [--concurrency 16] [--tasks 4] [--batch-groups 8] [--group-size 4]
