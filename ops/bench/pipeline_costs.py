@@ -101,7 +101,10 @@ class Monitor(threading.Thread):
         if not reports:  # the nodes are stopping (the job's end) or restarting
             return None
         pg_cpu, pg_procs = postgres_cpu_s(self.pgdata)
-        wal = wal_position(self.driver.db)
+        try:
+            wal = wal_position(self.driver.db)
+        except Exception:  # the database is busy or going away: no snapshot this time
+            return None
         driver_ops = self.driver_ops_at.get(step) or self.driver.buffer.timings.snapshot()
         return Snap(
             time.monotonic(), step, reports, driver_ops, pg_cpu, pg_procs, time.process_time(),

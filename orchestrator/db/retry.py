@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 DEFAULT_WINDOW_S = 30.0
+# A bounded pool (a rollout node's) whose connections are all in use: the database answers,
+# the caller waits its turn. Not an outage, and not limited by the retry window; this bounds it.
+POOL_WAIT_S = 600.0
 BASE_S = 0.1
 CAP_S = 5.0
 # After an outage closed, failures for this long still belong to it (connections that broke
@@ -68,6 +71,7 @@ def retry_transient(fn: F) -> F:
         window = float(getattr(args[0], "retry_window_s", DEFAULT_WINDOW_S)) if args else 0.0
         tracker: OutageTracker | None = getattr(args[0], "outages", None) if args else None
         deadline = time.monotonic() + window
+        pool_deadline = time.monotonic() + POOL_WAIT_S
         attempt = 0
         while True:
             try:
@@ -75,6 +79,11 @@ def retry_transient(fn: F) -> F:
             except Exception as e:
                 if not is_transient(e):
                     raise
+                if isinstance(e, sa_exc.TimeoutError) and time.monotonic() < pool_deadline:
+                    # every pooled connection is in use (each wait took the pool's timeout)
+                    log.info("%s: waiting for a free database connection", fn.__qualname__)
+                    deadline = max(deadline, time.monotonic() + window)
+                    continue
                 if tracker is not None:
                     tracker.failed(fn.__qualname__, e)
                 if time.monotonic() >= deadline:

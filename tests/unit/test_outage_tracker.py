@@ -8,6 +8,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from sqlalchemy import exc as sa_exc
 
 from orchestrator.db import retry
 from orchestrator.db.retry import SETTLE_S, Outage, OutageTracker, retry_transient
@@ -101,3 +102,23 @@ def test_a_failed_report_is_made_again_after_the_next_success(
     flaky.call()
     flaky.call()
     assert len(attempts) == 2 and attempts[0] is attempts[1]
+
+
+class Crowded(Flaky):
+    """Its calls find every connection of a bounded pool in use a few times (SQLAlchemy's
+    ``TimeoutError``, raised by the pool after its ``pool_timeout``), then get one."""
+
+    retry_window_s = 0.0  # an outage would not be retried at all
+
+    @retry_transient
+    def call(self) -> str:
+        if self.failures:
+            self.failures -= 1
+            raise sa_exc.TimeoutError("QueuePool limit of size 8 overflow 0 reached")
+        return "ok"
+
+
+def test_waiting_for_a_pooled_connection_is_no_outage_and_not_bounded_by_the_window() -> None:
+    crowded = Crowded(failures=3)
+    assert crowded.call() == "ok"
+    assert crowded.reported == [] and crowded.outages.failures == 0

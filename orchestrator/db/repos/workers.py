@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
+from orchestrator.db import jsontext
 from orchestrator.domain import WorkerRole, WorkerStatus
 
 
@@ -66,7 +66,7 @@ class WorkerRepository:
                 "host": host,
                 "pid": pid,
                 "node": node_id,
-                "info": json.dumps(info or {}),
+                "info": jsontext.dumps(info or {}),
                 "status": status.value,
             },
         ).one()
@@ -84,7 +84,7 @@ class WorkerRepository:
                 RETURNING id
                 """
             ),
-            {"w": worker_id, "info": json.dumps(info or {})},
+            {"w": worker_id, "info": jsontext.dumps(info or {})},
         ).one_or_none()
         return row is not None
 
