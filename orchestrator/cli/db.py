@@ -13,7 +13,8 @@ app = typer.Typer(help="Database schema and the embedded PostgreSQL.", no_args_i
 
 @app.command()
 def upgrade(ctx: typer.Context) -> None:
-    """Migrate the schema to the head revision (the only command that runs DDL)."""
+    """Migrate the schema to the head revision (the only command that runs DDL on an external
+    database; quickstart and run also migrate the embedded one)."""
     from orchestrator.db import migrate
 
     db = open_db(ctx, verify_schema=False)

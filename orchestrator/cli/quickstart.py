@@ -52,5 +52,5 @@ def quickstart(
     if not path.exists():
         raise UserError(f"quickstart config {path} does not exist; pass --config FILE")
     cfg = load_config(path, overrides or [])
-    result = run_job(ctx, cfg, resume=resume, live=live, upgrade_schema=True, fresh_name=True)
+    result = run_job(ctx, cfg, resume=resume, live=live, upgrade_schema="always", fresh_name=True)
     report(result, json_out)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from orchestrator.config import RollcallConfig
+    from orchestrator.db.engine import Database
     from orchestrator.runner.driver import RunResult
 
 
@@ -35,7 +36,8 @@ def run(
 ) -> None:
     """Run a job: rollout nodes and the trainer on Ray, the buffer in PostgreSQL.
 
-    Runs the job to run.total_steps. The schema must be at head (rollcall db upgrade). A job
+    Runs the job to run.total_steps. The embedded database is migrated to head on first use
+    (as the quickstart does); an external one must be at head already (rollcall db upgrade). A job
     that already trained refuses to start again without --resume, which continues it from its
     last committed step; a job another driver is running is refused (one driver per job). The
     run directory (run.dir, default ROLLCALL_HOME/runs/JOB) holds config.yaml, metrics.jsonl,
@@ -43,7 +45,7 @@ def run(
     from orchestrator.config import load_config
 
     cfg = load_config(config, overrides or [])
-    result = run_job(ctx, cfg, resume=resume, live=live, upgrade_schema=False)
+    result = run_job(ctx, cfg, resume=resume, live=live, upgrade_schema="embedded")
     report(result, json_out)
 
 
@@ -53,11 +55,10 @@ def run_job(
     *,
     resume: bool,
     live: bool,
-    upgrade_schema: bool,
+    upgrade_schema: Literal["always", "embedded"],
     out: Console | None = None,
     fresh_name: bool = False,
 ) -> RunResult:
-    from orchestrator.db import migrate
     from orchestrator.db.engine import open_database
     from orchestrator.runner.driver import JobDriver
     from orchestrator.settings import rollcall_home
@@ -68,15 +69,11 @@ def run_job(
     model_dir = resolve_model(cfg, home, out)
     check_chat(cfg, model_dir)
     db_url = cfg.database.url.get_secret_value() if cfg.database.url else None
-    db = open_database(opts.database_url, db_url, home=opts.home, verify_schema=not upgrade_schema)
+    db = open_database(opts.database_url, db_url, home=opts.home, verify_schema=False)
     driver = None
     try:
         out.print(f"database: {db.describe()}", markup=False)
-        if upgrade_schema:
-            with db.engine.connect() as conn:
-                migrate.upgrade(conn)
-                conn.commit()
-            db.verify_schema()
+        prepare_schema(db, out, upgrade=upgrade_schema == "always" or db.target.embedded)
         if fresh_name and not resume:
             cfg = _next_free_name(cfg, db, out)
         driver = JobDriver(
@@ -101,6 +98,24 @@ def run_job(
         if driver is not None:
             driver.close()
         db.dispose()
+
+
+def prepare_schema(db: Database, out: Console, *, upgrade: bool) -> None:
+    """Migrate the database to head where ``upgrade`` (the quickstart's database, and the
+    embedded one: this machine's own), then refuse one not at head: an external database is
+    migrated by its operator (``rollcall db upgrade``), never by a job as a side effect."""
+    from orchestrator.db import migrate
+
+    if upgrade:
+        with db.engine.connect() as conn:
+            was = migrate.upgrade_if_behind(conn)
+            conn.commit()
+        if was is not None:
+            out.print(
+                f"database: schema migrated to {migrate.head_revision()} (was {was})",
+                markup=False,
+            )
+    db.verify_schema()
 
 
 def _next_free_name(cfg: RollcallConfig, db: Any, out: Console) -> RollcallConfig:

@@ -82,6 +82,26 @@ def schema_state(conn: Connection) -> SchemaState:
     return SchemaState(current=current_revision(conn), head=head_revision())
 
 
+def known_revision(revision: str) -> bool:
+    """Whether this rollcall's migrations know ``revision`` (not: a newer rollcall's)."""
+    try:
+        ScriptDirectory.from_config(alembic_config()).get_revision(revision)
+    except Exception:
+        return False
+    return True
+
+
+def upgrade_if_behind(conn: Connection) -> str | None:
+    """Migrate a database with no schema, or one behind head, to head; the revision it was at
+    (``"none"`` for no schema), or None when nothing was done (at head, or newer than this
+    rollcall: ``verify_at_head`` then says so)."""
+    state = schema_state(conn)
+    if state.at_head or (state.current is not None and not known_revision(state.current)):
+        return None
+    upgrade(conn)
+    return state.current or "none"
+
+
 def verify_at_head(conn: Connection) -> None:
     state = schema_state(conn)
     if state.at_head:
@@ -90,14 +110,11 @@ def verify_at_head(conn: Connection) -> None:
         raise SchemaError(
             "the database has no rollcall schema yet; run `rollcall db upgrade` first"
         )
-    script = ScriptDirectory.from_config(alembic_config())
-    try:
-        script.get_revision(state.current)
-    except Exception:
+    if not known_revision(state.current):
         raise SchemaError(
             f"the database schema is at revision {state.current}, which this rollcall does not "
             "know (it is newer); upgrade rollcall"
-        ) from None
+        )
     raise SchemaError(
         f"the database schema is at revision {state.current} but this rollcall needs "
         f"{state.head}; run `rollcall db upgrade`"

@@ -174,3 +174,38 @@ def test_cli_db_commands_on_embedded(home: Path) -> None:
     assert not EmbeddedPostgres(home).status().running
     r = run("task", "list", "--json")  # started again on use, data intact
     assert r.returncode == 0 and '"calc"' in r.stdout
+
+
+def test_run_migrates_a_fresh_embedded_database_but_not_an_external_one(
+    home: Path, empty_db_url: str
+) -> None:
+    """``rollcall run`` on a fresh home migrates the embedded database, as the quickstart does
+    (the README's "next:" lines run it there); an external database keeps its operator's
+    ``rollcall db upgrade`` step and is left untouched."""
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
+    env = {k: v for k, v in os.environ.items() if k != "ROLLCALL_DATABASE_URL"}
+    env["ROLLCALL_HOME"] = str(home)
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+
+    # --resume of a job that does not exist: refused right after the schema step, cheaply
+    r = run("run", config, "--resume", "--no-live")
+    assert "no rollcall schema" not in r.stderr, r.stderr
+    assert r.returncode != 0 and "nothing to resume" in r.stderr, r.stderr
+    assert "schema migrated to" in r.stdout and "(was none)" in r.stdout
+    assert run("db", "check").returncode == 0
+    r = run("run", config, "--resume", "--no-live")  # at head now: nothing to say
+    assert "nothing to resume" in r.stderr and "schema migrated" not in r.stdout
+
+    r = run("--database-url", empty_db_url, "run", config, "--resume", "--no-live")
+    assert r.returncode != 0 and "run `rollcall db upgrade` first" in r.stderr, r.stderr
+    with psycopg.connect(empty_db_url.replace("postgresql+psycopg", "postgresql")) as c:
+        row = c.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'").fetchone()
+        assert row == (0,)
