@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -319,6 +319,11 @@ EngineConfig = Annotated[
 ]
 
 
+# the models rollcall provides by name (ROLLCALL_HOME/models/<name>, put there on first use)
+BuiltinModel = Literal["tiny", "smollm2-135m"]
+BUILTIN_MODELS: tuple[str, ...] = get_args(BuiltinModel)
+
+
 class ModelConfig(StrictModel):
     """The policy to train. ``path`` unset: the built-in model ``builtin`` in
     ROLLCALL_HOME/models: ``tiny`` copied from the package (what ``rollcall model init`` builds)
@@ -329,7 +334,7 @@ class ModelConfig(StrictModel):
         description="a transformers (save_pretrained) folder; unset: "
         "ROLLCALL_HOME/models/<builtin>",
     )
-    builtin: Literal["tiny", "smollm2-135m"] = Field(
+    builtin: BuiltinModel = Field(
         default="tiny",
         description="the model used when path is unset: tiny (the build of `rollcall model init` "
         "shipped with the package, copied in if missing) or smollm2-135m (imported by "

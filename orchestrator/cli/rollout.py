@@ -33,10 +33,38 @@ def _turns(tokenizer: Any, t: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _model_dir(ctx: typer.Context, model: str) -> Path:
+    """``--model``: a built-in model's folder (put in place on first use, as a job would), or
+    the folder given."""
+    from orchestrator.cli.common import err_console, options
+    from orchestrator.cli.run import builtin_model
+    from orchestrator.config import BUILTIN_MODELS
+    from orchestrator.errors import UserError
+    from orchestrator.settings import rollcall_home
+
+    if model in BUILTIN_MODELS:
+        return builtin_model(model, rollcall_home(options(ctx).home), err_console())
+    path = Path(model).expanduser()
+    if not (path / "config.json").exists():
+        raise UserError(
+            f"--model {model} is neither a built-in model ({', '.join(BUILTIN_MODELS)}) nor a "
+            "folder holding a model (config.json missing); build one with `rollcall model init`"
+        )
+    return path
+
+
 @app.command()
 def preview(
+    ctx: typer.Context,
     task: Annotated[str, typer.Option("--task", help="Registered plugin name.")],
-    model: Annotated[Path, typer.Option("--model", help="Model directory (save_pretrained).")],
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            help="A built-in model (tiny, smollm2-135m; put in ROLLCALL_HOME/models on first "
+            "use) or a model folder (save_pretrained; ./tiny for a folder named tiny).",
+        ),
+    ] = "tiny",
     n: Annotated[int, typer.Option("-n", help="Episodes.")] = 3,
     temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
     max_tokens_per_turn: Annotated[int, typer.Option(help="Tokens per generated turn.")] = 64,
@@ -64,11 +92,7 @@ def preview(
     bounds.TEMPERATURE.check("--temperature", temperature)
     bounds.tokens(1).check("--max-tokens-per-turn", max_tokens_per_turn)
     resolve_plugin(task)
-    if not (model / "config.json").exists():
-        raise UserError(
-            f"--model {model} holds no model (config.json missing); build one with "
-            "`rollcall model init`"
-        )
+    model_dir = _model_dir(ctx, model)
     plugin = registry.get(task)
     spec_data = validate_spec(
         task, read_yaml_mapping(spec, "spec") if spec else {}, str(spec or "spec")
@@ -87,11 +111,11 @@ def preview(
         raise UserError(
             f"--tool-format {tool_format!r} is not a format; use auto, {', '.join(FORMATS)}"
         )
-    engine = HFEngine(model)
+    engine = HFEngine(model_dir)
     try:
         chat = Chat(engine.tokenizer, tool_format=tool_format)
     except ChatTemplateError as e:
-        raise UserError(f"--model {model}: {e}") from None
+        raise UserError(f"--model {model_dir}: {e}") from None
     limits = Limits(
         max_turns=task_spec.max_turns,
         max_tokens_per_turn=max_tokens_per_turn,

@@ -149,7 +149,13 @@ def resolve_model(cfg: RollcallConfig, home: Path, out: Console) -> Path:
                 "`rollcall model init --out DIR` or point model.path at a save_pretrained folder"
             )
         return path
-    if cfg.model.builtin == "smollm2-135m":
+    return builtin_model(cfg.model.builtin, home, out)
+
+
+def builtin_model(name: str, home: Path, out: Console) -> Path:
+    """The folder of the built-in model ``name`` (``tiny`` or ``smollm2-135m``) in
+    ``home/models``, put there on first use."""
+    if name == "smollm2-135m":
         from workers.realmodel import default_dir, import_smollm2, imported_dtype
 
         path = default_dir(home)

@@ -102,4 +102,28 @@ def test_model_and_preview_refuse_bad_input(run: Any, tmp_path: Path) -> None:
     r = run("rollout", "preview", "--task", "nope", "--model", str(tmp_path))
     assert r.code != 0 and "unknown task plugin 'nope'" in r.err
     r = run("rollout", "preview", "--task", "echo", "--model", str(tmp_path))
-    assert r.code != 0 and "holds no model" in r.err
+    assert r.code != 0 and "neither a built-in model (tiny, smollm2-135m) nor a folder" in r.err
+
+
+def test_preview_defaults_to_the_tiny_model_and_takes_built_in_names(
+    run: Any, tmp_path: Path, smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No --model: the shipped tiny model, put in ROLLCALL_HOME/models/tiny as a job would;
+    --model smollm2-135m: the imported SmolLM2 in ROLLCALL_HOME/models (here, the session's)."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("ROLLCALL_HOME", str(home))
+    r = run("rollout", "preview", "--task", "echo", "-n", "1", "--max-tokens-per-turn", "4",
+            "--json")  # fmt: skip
+    assert r.code == 0, r.err
+    assert json.loads(r.out)[0]["turns"]
+    assert (home / "models" / "tiny" / "config.json").is_file()
+
+    from workers.realmodel import default_dir
+
+    default_dir(home).parent.mkdir(parents=True, exist_ok=True)
+    default_dir(home).symlink_to(smollm2_dir)  # imported once per test session
+    r = run("rollout", "preview", "--task", "calculator", "--model", "smollm2-135m", "-n", "1",
+            "--max-tokens-per-turn", "4", "--json")  # fmt: skip
+    assert r.code == 0, r.err
+    assert "importing" not in r.err  # the imported model was found, not imported again
+    assert json.loads(r.out)[0]["turns"]
