@@ -50,6 +50,7 @@ from orchestrator.errors import (
     NotFoundError,
     UserError,
 )
+from orchestrator.runner import raylog
 from orchestrator.runner.broadcast import Broadcaster
 from orchestrator.runner.drift import DRIFT_EVENT, IsWeightWatch
 from orchestrator.runner.lifecycle import JobLifecycle
@@ -133,6 +134,7 @@ class JobDriver(TrainerControl):
         self.metrics: Any = None  # the Prometheus exporter (orchestrator/runner/metrics.py)
         self.missed_runs: Any = None  # the scheduler's dropped runs (metrics.MissedRuns)
         self._release_logs: Callable[[], None] | None = None
+        self._release_ray_messages: Callable[[], None] | None = None
         self.started_ray = False
         self.placement: Any = None  # the job's reserved slots (orchestrator/runner/placement.py)
         self.pending_evals: list[tuple[int, Any]] = []
@@ -236,7 +238,7 @@ class JobDriver(TrainerControl):
             # log_to_driver=False: the actors' stdout and stderr stay in Ray's session logs
             # (/tmp/ray/session_*/logs); their errors reach the driver as exceptions of the
             # calls. The raylet's own error messages ("(raylet) A worker died ...") are printed
-            # whatever the options (ray._private.worker.listen_error_messages, Ray 2.x).
+            # whatever the options: raylog below sends them to driver.log.
             ray.init(
                 address="local",  # a new local Ray, never one left behind by `ray start`
                 num_cpus=self.cfg.ray.num_cpus,
@@ -245,6 +247,9 @@ class JobDriver(TrainerControl):
                 configure_logging=False,
             )
             self.started_ray = True
+        # the cluster's error paragraphs too ("(raylet) A worker died ..."): rollcall says
+        # in one line what happened to its actor
+        self._release_ray_messages = raylog.route_to_log()
         if started:
             # Ray's logger does not propagate, and with configure_logging=False it has no
             # handler: Python's last resort would print its warnings on the terminal. Up to the
@@ -825,6 +830,9 @@ class JobDriver(TrainerControl):
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+        if self._release_ray_messages is not None:
+            self._release_ray_messages()
+            self._release_ray_messages = None
         if self._release_logs is not None:
             self._release_logs()
             self._release_logs = None

@@ -61,6 +61,14 @@ def test_drills_against_a_running_job(
         kill = json.loads(r.out[r.out.index("\n{") + 1 :] if not r.out.startswith("{") else r.out)
         assert kill["passed"] and kill["lost"] == 0 and kill["duplicated"] == 0
         assert kill["detection_s"] < 10 and kill["recovery_s"] < 60
+        # Ray's paragraph about the killed actor goes to driver.log, not the terminal
+        assert "(raylet)" not in r.out
+        log = driver.run_dir.log_path
+        wait_for(
+            "Ray's message about the killed node in driver.log",
+            lambda: log.exists() and "A worker died or was killed" in log.read_text(),
+            timeout_s=60,
+        )
 
         hang = drills.kill_rollout(1, "STOP")[0]
         assert hang.passed, hang.to_json()
