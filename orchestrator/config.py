@@ -691,6 +691,29 @@ class MetricsConfig(StrictModel):
     )
 
 
+TrackerName = Literal["tensorboard", "wandb", "mlflow"]
+
+
+class TrackingConfig(StrictModel):
+    """Where the experiment trackers of ``run.trackers`` write (docs/running.md#trackers)."""
+
+    project: str = Field(
+        default="rollcall",
+        min_length=1,
+        description="the wandb project and the MLflow experiment the job's run goes into",
+    )
+    wandb_mode: Literal["online", "offline"] | None = Field(
+        default=None,
+        description="wandb: online (needs `wandb login` or WANDB_API_KEY) or offline (a run "
+        "folder in the run directory, `wandb sync` later); unset: WANDB_MODE, else online",
+    )
+    mlflow_uri: str | None = Field(
+        default=None,
+        description="MLflow tracking URI (a server, or sqlite:///FILE); unset: "
+        "MLFLOW_TRACKING_URI, else sqlite in the run directory (mlflow.db)",
+    )
+
+
 class RunConfig(StrictModel):
     """How the job runs and where it writes (the run directory: docs/running.md)."""
 
@@ -704,6 +727,23 @@ class RunConfig(StrictModel):
     seed: Annotated[int, b.SEED.field()] = Field(default=0, description="random seed")
     dir: str | None = Field(default=None, description="default: ROLLCALL_HOME/runs/JOB")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
+    trackers: list[TrackerName] = Field(
+        default_factory=lambda: list[TrackerName](["tensorboard"]),
+        description="experiment trackers that get every step's metrics, the evaluations with "
+        "their intervals, the config and the learning curve: tensorboard (event files in the "
+        "run directory), wandb (pip install 'rollcall[wandb]'), mlflow ('rollcall[mlflow]'); "
+        "[] for none. A resumed job continues the same runs",
+    )
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="where the trackers write"
+    )
+
+    @field_validator("trackers")
+    @classmethod
+    def _distinct_trackers(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("run.trackers names a tracker twice")
+        return v
 
 
 class RollcallConfig(StrictModel):

@@ -203,6 +203,9 @@ class JobDriver(TrainerControl):
         # From here on (Ray's start, the trainer's, the nodes', the scheduler's), what libraries
         # log or warn goes to the run directory's driver.log, not the user's terminal.
         self._release_logs = self.run_dir.capture_logs()
+        self.run_dir.start_trackers(
+            cfg.run, job.name, lambda m: self.console.print(m, markup=False)
+        )
         self._start_ray()
         self._start_trainer()
         self._start_nodes()
@@ -830,6 +833,9 @@ class JobDriver(TrainerControl):
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
+        run_dir: RunDir | None = getattr(self, "run_dir", None)  # set by setup()
+        if run_dir is not None:
+            run_dir.close_trackers()
         if self._release_ray_messages is not None:
             self._release_ray_messages()
             self._release_ray_messages = None

@@ -7,6 +7,7 @@ weights/vNNNNNN/     published policy versions (the last few)
 checkpoints/step-N/  trainer checkpoints (model, optimizer, scheduler, step)
 final/               the final policy, ``save_pretrained`` format with its tokenizer
 driver.log           the driver's log records (library warnings, retries, errors in detail)
+tensorboard/         TensorBoard event files (run.trackers; also wandb/, mlflow.db, trackers.json)
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
 from orchestrator.settings import mask_url
+
+if TYPE_CHECKING:
+    from orchestrator.config import RunConfig
+    from orchestrator.runner.trackers import Trackers
 
 
 class RunDir:
@@ -38,6 +43,8 @@ class RunDir:
         self.curve = root / "learning_curve.png"
         self.log_path = root / "driver.log"
         self._append_lock = threading.Lock()  # steps and evaluations append from two threads
+        self.trackers: Trackers | None = None
+        self._config: tuple[dict[str, Any], str] | None = None
 
     def capture_logs(self) -> Callable[[], None]:
         """Send this process's log records to ``driver.log`` instead of the terminal (where
@@ -86,14 +93,37 @@ class RunDir:
         url = data.get("database", {}).get("url")
         if url:
             data["database"]["url"] = mask_url(url)
+        tracking = data.get("run", {}).get("tracking", {})
+        if tracking.get("mlflow_uri"):
+            tracking["mlflow_uri"] = mask_url(tracking["mlflow_uri"])
         path = self.root / "config.yaml"
-        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        text = yaml.safe_dump(data, sort_keys=False)
+        path.write_text(text)
+        self._config = (data, text)
         return path
 
+    def start_trackers(self, run: RunConfig, job: str, say: Callable[[str], None]) -> None:
+        """Start ``run.trackers`` (orchestrator/runner/trackers.py) and give them the config
+        written last; from now on every appended record goes to them too."""
+        from orchestrator.runner.trackers import open_trackers
+
+        self.trackers = open_trackers(run.trackers, run.tracking, self.root, job=job, say=say)
+        if self._config is not None:
+            self.trackers.config(*self._config)
+
+    def close_trackers(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
+
     def append(self, record: dict[str, Any]) -> None:
-        line = json.dumps({"time": round(time.time(), 3), **record}) + "\n"
-        with self._append_lock, self.metrics_path.open("a") as f:
-            f.write(line)
+        record = {"time": round(time.time(), 3), **record}
+        line = json.dumps(record) + "\n"
+        with self._append_lock:
+            with self.metrics_path.open("a") as f:
+                f.write(line)
+            if self.trackers is not None:
+                self.trackers.record(record)
 
     def records(self, kind: str | None = None) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
@@ -153,6 +183,8 @@ class RunDir:
         fig.tight_layout()
         fig.savefig(self.curve)
         plt.close(fig)
+        if self.trackers is not None:
+            self.trackers.image("learning_curve", max(r["step"] for r in evals), self.curve)
         return self.curve
 
 

@@ -4,6 +4,7 @@ real PostgreSQL and the tiny model, in async and sync mode, and a job resumed af
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from orchestrator.config import RollcallConfig
 from orchestrator.db.engine import Database
 from orchestrator.runner.driver import JobDriver, RunResult
 from tests.integration.buffer_helpers import rows, scalar
+from tests.support import trackers as read_trackers
 
 
 def _config(tmp: Path, model: Path, **run: Any) -> RollcallConfig:
@@ -162,6 +164,11 @@ def test_async_job_trains_publishes_and_keeps_every_trajectory(
     assert all("node_versions_min" in r for r in records if r["kind"] == "step")
     assert {r["step"] for r in records if r["kind"] == "eval"} == {0, 3}
     assert (run / "config.yaml").exists() and (run / "learning_curve.png").stat().st_size > 1000
+    # TensorBoard by default (run.trackers): the same steps and evaluations, config and curve
+    tb = read_trackers.tensorboard(run / "tensorboard")
+    assert [s for s, _ in tb["scalars"]["train/loss"]] == [0, 1, 2]
+    assert [s for s, _ in tb["scalars"]["eval/calc/low"]] == [0, 3]
+    assert "config" in tb["text"] and "learning_curve" in tb["images"]
     from transformers import AutoModelForCausalLM
 
     assert AutoModelForCausalLM.from_pretrained(run / "final").num_parameters() > 0
@@ -180,16 +187,37 @@ def test_sync_job_trains_only_on_policy_data(
 
 @pytest.mark.timeout(600)
 def test_stopped_job_resumes_from_its_last_step(
-    ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
+    ray_local: Any,
+    tiny_dir: Path,
+    db: Database,
+    engine: sa.Engine,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
-    first = _run(_config(tmp_path, tiny_dir, total_steps=2), db, tiny_dir, tmp_path)
+    # with every tracker (offline): the resumed job continues the same runs
+    tracked = {
+        "trackers": ["tensorboard", "wandb", "mlflow"],
+        "tracking": {"wandb_mode": "offline"},
+    }
+    first = _run(_config(tmp_path, tiny_dir, total_steps=2, **tracked), db, tiny_dir, tmp_path)
     assert first.steps == 2
     from orchestrator.errors import ConflictError
 
     with pytest.raises(ConflictError, match="--resume"):
         _run(_config(tmp_path, tiny_dir, total_steps=4), db, tiny_dir, tmp_path)
-    second = _run(_config(tmp_path, tiny_dir, total_steps=4), db, tiny_dir, tmp_path, resume=True)
+    cfg = _config(tmp_path, tiny_dir, total_steps=4, **tracked)
+    second = _run(cfg, db, tiny_dir, tmp_path, resume=True)
     assert second.steps == 4
+    run = Path(second.run_dir)
+    (ml,) = read_trackers.mlflow_runs(f"sqlite:///{run / 'mlflow.db'}", "rollcall")
+    assert ml["name"] == "e2e" and ml["status"] == "FINISHED"
+    assert [s for s, _ in ml["metrics"]["train/loss"]] == [0, 1, 2, 3]
+    wandb_runs = read_trackers.wandb_runs(run / "wandb")
+    assert len(wandb_runs) == 2 and len({r["id"] for r in wandb_runs}) == 1
+    steps = [h["train/step"] for r in wandb_runs for h in r["history"] if "train/step" in h]
+    assert steps == [0, 1, 2, 3]
+    terminal = capfd.readouterr()  # the trackers' own chatter stays off the terminal
+    assert not re.search(r"(?im)^(wandb:|.*\bINFO mlflow)", terminal.out + terminal.err)
     _check_invariants(engine, 4, {"calc": 1, "guess": 1}, db)
     uris = [r[0] for r in rows(engine, "SELECT checkpoint_uri FROM train_steps ORDER BY step")]
     assert all(uris) and uris[1].endswith("step-000001")

@@ -253,8 +253,10 @@ def _walk(ann: Any, metadata: Any, path: tuple[Any, ...], setup: dict[str, Any])
                 yield from _walk(member, metadata, path, setup)
     elif isinstance(ann, type) and issubclass(ann, BaseModel):
         yield from _leaves(ann, path, setup)
-    elif origin is list:  # tasks: one task with its required fields
+    elif origin is list:  # tasks: one task with its required fields (run.trackers: names)
         (item,) = typing.get_args(ann)
+        if not (isinstance(item, type) and issubclass(item, BaseModel)):
+            return
         base = _nest(path, [{"name": "t", "plugin": "echo"}], setup)
         yield from _leaves(item, (*path, 0), base)
     elif origin is tuple:  # trainer.betas: one element at a time, the other valid
