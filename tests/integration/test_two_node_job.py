@@ -30,7 +30,7 @@ from tests.integration.roles import (
     migrate_as_migrator,
 )
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 _n = itertools.count()
 
 

@@ -18,6 +18,7 @@ from workers import collective
 from workers.collective import BroadcastFailed, Offer, Rendezvous
 
 TIMEOUT_S = 3.0
+READY = (0, "ready")
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -49,7 +50,10 @@ def _bytes(t: torch.Tensor) -> tuple[str, bytes]:
 
 
 def _member(offers: list[dict[str, Any]], who: str, out: Any) -> None:
-    """A member process: each offer in turn; puts (epoch, digest or error) for each."""
+    """A member process: "ready" once started (torch imported: seconds on a loaded machine, which
+    the offer's timeout must not include), then each offer in turn; puts (epoch, digest or
+    error) for each."""
+    out.put(READY)
     for d in offers:
         try:
             got = collective.receive(Offer.from_json(d), who=who)
@@ -69,6 +73,7 @@ def _start(offers: list[Offer], who: str, env: dict[str, str] | None = None) -> 
     finally:
         os.environ.clear()
         os.environ.update(old)
+    assert out.get(timeout=120) == READY
     return p, out
 
 

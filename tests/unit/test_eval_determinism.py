@@ -13,6 +13,8 @@ from orchestrator.evalstats import gains, mean_interval, paired_gain
 from workers.rollout.engines.base import GenerationRequest
 from workers.rollout.engines.hf import HFEngine
 
+pytestmark = pytest.mark.slow  # minutes: left out of the fast tier
+
 
 def _context(engine: HFEngine, text: str) -> list[int]:
     return list(engine.tokenizer.encode(text, add_special_tokens=False))

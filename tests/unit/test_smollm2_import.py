@@ -15,7 +15,7 @@ from workers import realmodel
 
 # The import (a GGUF read and a 538 MB save, with the session fixture's) takes 1-2 min alone
 # on two cores and several times that beside other work: more than the default 300 s.
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import built_once
+
 REQUIRE = os.environ.get("ROLLCALL_REQUIRE_VLLM") == "1"
 
 
@@ -50,7 +52,7 @@ def vllm_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with head size 32 (vLLM's CPU attention needs 32 or more)."""
     from workers.tiny_model import build_tiny
 
-    return build_tiny(tmp_path_factory.mktemp("tiny-vllm"), heads=2)
+    return built_once(tmp_path_factory, "tiny-vllm", lambda d: build_tiny(d, heads=2))
 
 
 @pytest.fixture(autouse=True)
