@@ -205,6 +205,12 @@ class WandbTracker:
     name = "wandb"
 
     def __init__(self, cfg: TrackingConfig, root: Path, job: str, ids: dict[str, Any]) -> None:
+        import os
+
+        # wandb's terminal lines ignore Settings(silent=True) in places: its advert for Weave
+        # when an LLM client (openai: an agent task) is imported, printed at init and exit
+        os.environ.setdefault("WANDB_SILENT", "true")
+        os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
         import wandb
 
         run_id = ids.setdefault("wandb", {}).setdefault("id", _new_id())

@@ -51,7 +51,11 @@ def test_scalars_of_records() -> None:
     assert scalars_of({"kind": "step"}) is None
 
 
-def test_three_trackers_offline_and_a_resumed_run_continues_them(tmp_path: Path) -> None:
+def test_three_trackers_offline_and_a_resumed_run_continues_them(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    import openai  # noqa: F401  (an agent task's client: wandb would advertise Weave for it)
+
     said: list[str] = []
     run_dir = _start(tmp_path, ALL, said)
     run_dir.append(_eval(0))
@@ -65,6 +69,9 @@ def test_three_trackers_offline_and_a_resumed_run_continues_them(tmp_path: Path)
     assert run_dir.plot("tracked") is not None  # the learning curve goes to the trackers too
     run_dir.close_trackers()
     assert said == []
+    terminal = capfd.readouterr()  # the trackers' own chatter stays off the terminal
+    assert "wandb:" not in terminal.out + terminal.err
+    assert "INFO mlflow" not in terminal.out + terminal.err
 
     tb = read.tensorboard(tmp_path / "tensorboard")
     assert [s for s, _ in tb["scalars"]["train/loss"]] == [0, 1, 2]
