@@ -7,7 +7,8 @@ weights/vNNNNNN/     published policy versions (the last few)
 checkpoints/step-N/  trainer checkpoints (model, optimizer, scheduler, step)
 final/               the final policy, ``save_pretrained`` format with its tokenizer
 driver.log           the driver's log records (library warnings, retries, errors in detail)
-tensorboard/         TensorBoard event files (run.trackers; also wandb/, mlflow.db, trackers.json)
+tensorboard/         TensorBoard event files (run.trackers; with the others: wandb/, mlflow.db,
+                     mlflow-artifacts/, trackers.json)
 """
 
 from __future__ import annotations

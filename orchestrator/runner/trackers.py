@@ -261,14 +261,23 @@ class MlflowTracker:
         from mlflow import MlflowClient
 
         uri = cfg.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
-        uri = uri or f"sqlite:///{(root / 'mlflow.db').resolve()}"
+        # the local store: the database and the artifacts both in the run directory (a sqlite
+        # store's default artifact root is ./mlruns, relative to wherever the job started)
+        artifacts = None
+        if not uri:
+            uri = f"sqlite:///{(root / 'mlflow.db').resolve()}"
+            artifacts = (root / "mlflow-artifacts").resolve().as_uri()
         self.client = MlflowClient(tracking_uri=uri)
         mine = ids.setdefault("mlflow", {})
         self.run_id: str = mine.get("run_id") if mine.get("uri") == uri else None  # type: ignore[assignment]
         self.fresh = self.run_id is None
         if self.run_id is None:
             exp = self.client.get_experiment_by_name(cfg.project)
-            exp_id = exp.experiment_id if exp else self.client.create_experiment(cfg.project)
+            exp_id = (
+                exp.experiment_id
+                if exp
+                else self.client.create_experiment(cfg.project, artifact_location=artifacts)
+            )
             self.run_id = self.client.create_run(exp_id, run_name=job).info.run_id
             mine.update(uri=uri, run_id=self.run_id)
         else:

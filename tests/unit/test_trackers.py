@@ -52,9 +52,13 @@ def test_scalars_of_records() -> None:
 
 
 def test_three_trackers_offline_and_a_resumed_run_continues_them(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import openai  # noqa: F401  (an agent task's client: wandb would advertise Weave for it)
+
+    cwd = tmp_path / "elsewhere"  # where the job was started: nothing may land there
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
 
     said: list[str] = []
     run_dir = _start(tmp_path, ALL, said)
@@ -86,6 +90,8 @@ def test_three_trackers_offline_and_a_resumed_run_continues_them(
     assert [s for s, _ in ml["metrics"]["eval/calc/high"]] == [0, 3]
     assert ml["params"]["run.mode"] == "async"
     assert {"config.yaml", "learning_curve.png"} <= set(ml["artifacts"])
+    assert list(cwd.iterdir()) == []  # MLflow's artifacts are in the run directory
+    assert list((tmp_path / "mlflow-artifacts").glob("*/artifacts/learning_curve.png"))
 
     first, second = read.wandb_runs(tmp_path / "wandb")
     assert first["id"] == second["id"] and first["name"] == "tracked"
