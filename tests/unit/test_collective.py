@@ -17,7 +17,11 @@ import torch
 from workers import collective
 from workers.collective import BroadcastFailed, Offer, Rendezvous
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 3.0  # an offer that must fail: its bound
+# an offer that must succeed: the trainer's default (trainer.weights.timeout_s). Forming a group
+# waits for every member to listen, which on a loaded machine (load 5-14 on two cores) takes
+# more than 3 s after a member's previous group failed
+OK_TIMEOUT_S = 30.0
 READY = (0, "ready")
 
 
@@ -31,7 +35,9 @@ def _state(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def _offer(rv: Rendezvous, version: int, epoch: int, world: int) -> Offer:
+def _offer(
+    rv: Rendezvous, version: int, epoch: int, world: int, timeout_s: float = OK_TIMEOUT_S
+) -> Offer:
     return Offer(
         version=version,
         epoch=epoch,
@@ -41,7 +47,7 @@ def _offer(rv: Rendezvous, version: int, epoch: int, world: int) -> Offer:
         rank=0,
         tensors=collective.describe(_state()),
         bucket_bytes=256 * 1024,
-        timeout_s=TIMEOUT_S,
+        timeout_s=timeout_s,
     )
 
 
@@ -106,7 +112,7 @@ def test_a_member_lost_mid_broadcast_fails_the_group_then_the_survivors_complete
 ) -> None:
     rv = Rendezvous("127.0.0.1")
     state = _state(1)
-    first = _offer(rv, 2, 1, 3)
+    first = _offer(rv, 2, 1, 3, TIMEOUT_S)
     again = _offer(rv, 2, 2, 2)  # re-formed without the lost member
     survivor, s_out = _start([first.for_rank(1), again.for_rank(1)], "m1")
     lost, _ = _start([first.for_rank(2)], "m2", {collective.FAULT_ENV: f"{fault}:0:m2"})
