@@ -47,17 +47,19 @@ class _Wrapped:
 class SlowEngine(_Wrapped):
     """Every generate call takes ``SLOW_GENERATE_S`` longer, holding the engine (a load waits
     for it); while the flag file ``hang`` exists in ``flags``, a call does not return (a hung
-    engine)."""
+    engine); once ``fast`` exists, calls are no longer slowed (a test ends sooner)."""
 
     def __init__(self, inner: Engine, flags: str) -> None:
         super().__init__(inner)
         self.hang = Path(flags) / "hang"
+        self.fast = Path(flags) / "fast"
 
     def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
         with self._lock:
             while self.hang.exists():
                 time.sleep(0.2)
-            time.sleep(SLOW_GENERATE_S)
+            if not self.fast.exists():
+                time.sleep(SLOW_GENERATE_S)
             return self.inner.generate(requests)
 
 
