@@ -148,18 +148,23 @@ def test_concurrent_first_use_starts_one_server(home: Path) -> None:
     _query(EmbeddedPostgres(home))
 
 
-def test_cli_db_commands_on_embedded(home: Path) -> None:
+def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``rollcall ARGS`` in a subprocess on ``home``'s embedded database (no
+    ROLLCALL_DATABASE_URL)."""
     env = {k: v for k, v in os.environ.items() if k != "ROLLCALL_DATABASE_URL"}
     env["ROLLCALL_HOME"] = str(home)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
+
+def test_cli_db_commands_on_embedded(home: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "orchestrator.cli", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        return _cli(home, *args)
 
     r = run("task", "list")  # starts the server on first use, but refuses: no schema
     assert r.returncode != 0 and "run `rollcall db upgrade` first" in r.stderr
@@ -183,17 +188,9 @@ def test_run_migrates_a_fresh_embedded_database_but_not_an_external_one(
     (the README's "next:" lines run it there); an external database keeps its operator's
     ``rollcall db upgrade`` step and is left untouched."""
     config = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
-    env = {k: v for k, v in os.environ.items() if k != "ROLLCALL_DATABASE_URL"}
-    env["ROLLCALL_HOME"] = str(home)
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "orchestrator.cli", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=180,
-        )
+        return _cli(home, *args)
 
     # --resume of a job that does not exist: refused right after the schema step, cheaply
     r = run("run", config, "--resume", "--no-live")

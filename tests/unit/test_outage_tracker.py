@@ -69,11 +69,15 @@ class Flaky:
     def _outage_ended(self, outage: Outage) -> None:
         self.reported.append(outage)
 
+    def error(self) -> Exception:
+        """What a failed call raises."""
+        return psycopg.OperationalError("the database system is starting up")
+
     @retry_transient
     def call(self) -> str:
         if self.failures:
             self.failures -= 1
-            raise psycopg.OperationalError("the database system is starting up")
+            raise self.error()
         return "ok"
 
 
@@ -110,12 +114,8 @@ class Crowded(Flaky):
 
     retry_window_s = 0.0  # an outage would not be retried at all
 
-    @retry_transient
-    def call(self) -> str:
-        if self.failures:
-            self.failures -= 1
-            raise sa_exc.TimeoutError("QueuePool limit of size 8 overflow 0 reached")
-        return "ok"
+    def error(self) -> Exception:
+        return sa_exc.TimeoutError("QueuePool limit of size 8 overflow 0 reached")
 
 
 def test_waiting_for_a_pooled_connection_is_no_outage_and_not_bounded_by_the_window() -> None:
