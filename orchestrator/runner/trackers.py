@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from orchestrator.config import TrackingConfig
 from orchestrator.errors import UserError
+from orchestrator.settings import mask_url
 
 log = logging.getLogger(__name__)
 
@@ -269,19 +270,23 @@ class MlflowTracker:
             artifacts = (root / "mlflow-artifacts").resolve().as_uri()
         self.client = MlflowClient(tracking_uri=uri)
         mine = ids.setdefault("mlflow", {})
-        self.run_id: str = mine.get("run_id") if mine.get("uri") == uri else None  # type: ignore[assignment]
-        self.fresh = self.run_id is None
-        if self.run_id is None:
+        # the store is remembered by its URI with any password masked (trackers.json is a
+        # plain file in the run directory)
+        store = mask_url(uri)
+        known: str | None = mine.get("run_id") if mine.get("uri") == store else None
+        self.fresh = known is None
+        if known is None:
             exp = self.client.get_experiment_by_name(cfg.project)
             exp_id = (
                 exp.experiment_id
                 if exp
                 else self.client.create_experiment(cfg.project, artifact_location=artifacts)
             )
-            self.run_id = self.client.create_run(exp_id, run_name=job).info.run_id
-            mine.update(uri=uri, run_id=self.run_id)
+            known = str(self.client.create_run(exp_id, run_name=job).info.run_id)
+            mine.update(uri=store, run_id=known)
         else:
-            self.client.update_run(self.run_id, status="RUNNING")
+            self.client.update_run(known, status="RUNNING")
+        self.run_id = known
 
     def config(self, config: dict[str, Any], text: str) -> None:
         from mlflow.entities import Param

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -159,3 +159,51 @@ def test_trackers_config_is_checked() -> None:
     with pytest.raises(ValueError):
         _run_config(["neptune"])
     assert RunConfig().trackers == ["tensorboard"]
+
+
+class FakeMlflowClient:
+    """A fake of ``mlflow.MlflowClient`` for a tracking server with a password in its URI
+    (no MLflow server runs here): records the runs it creates and resumes."""
+
+    created: ClassVar[list[str]] = []
+    resumed: ClassVar[list[str]] = []
+
+    def __init__(self, tracking_uri: str) -> None:
+        self.uri = tracking_uri
+
+    def get_experiment_by_name(self, name: str) -> Any:
+        return None
+
+    def create_experiment(self, name: str, artifact_location: str | None = None) -> str:
+        return "1"
+
+    def create_run(self, experiment_id: str, run_name: str) -> Any:
+        from types import SimpleNamespace
+
+        self.created.append(run_name)
+        return SimpleNamespace(info=SimpleNamespace(run_id="r1"))
+
+    def update_run(self, run_id: str, status: str) -> None:
+        self.resumed.append(run_id)
+
+
+def test_an_mlflow_password_stays_out_of_the_run_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trackers.json remembers which store the run is in (a resume continues it there) by its
+    URI with the password masked; the same store is recognised on the next start."""
+    import mlflow
+
+    from orchestrator.config import TrackingConfig
+    from orchestrator.runner.trackers import MlflowTracker
+
+    monkeypatch.setattr(mlflow, "MlflowClient", FakeMlflowClient)
+    cfg = TrackingConfig(mlflow_uri="https://rollcall:s3cret@mlflow.example:5000")
+    ids: dict[str, Any] = {}
+    first = MlflowTracker(cfg, tmp_path, "tracked", ids)
+    client: Any = first.client
+    assert first.fresh and client.uri == cfg.mlflow_uri  # the server gets the password
+    assert "s3cret" not in repr(ids) and ids["mlflow"]["run_id"] == "r1"
+    again = MlflowTracker(cfg, tmp_path, "tracked", ids)  # a resumed job: the same run
+    assert not again.fresh and again.run_id == "r1"
+    assert FakeMlflowClient.created == ["tracked"] and FakeMlflowClient.resumed == ["r1"]
