@@ -38,8 +38,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = set(getattr(item, "fixturenames", ()))
         if SLOW_DIRS & set(path.parent.parts) or SLOW_FIXTURES & fixtures:
             item.add_marker(pytest.mark.slow)
-    # Files with a slow test first, each file's tests in their order: the two workers
-    # (pyproject: -n 2 --dist loadfile) start on the long ones, and the short ones fill in
+    # Files with a slow test first, each file's tests in their order: the workers
+    # (pyproject: -n 3 --dist loadfile) start on the long ones, and the short ones fill in
     # at the end instead of one long file running alone.
     slow_files = {str(i.fspath) for i in items if i.get_closest_marker("slow")}
     items.sort(key=lambda i: str(i.fspath) not in slow_files)
