@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import sys
@@ -38,11 +39,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = set(getattr(item, "fixturenames", ()))
         if SLOW_DIRS & set(path.parent.parts) or SLOW_FIXTURES & fixtures:
             item.add_marker(pytest.mark.slow)
-    # Files with a slow test first, each file's tests in their order: the workers
-    # (pyproject: -n 3 --dist loadfile) start on the long ones, and the short ones fill in
-    # at the end instead of one long file running alone.
-    slow_files = {str(i.fspath) for i in items if i.get_closest_marker("slow")}
-    items.sort(key=lambda i: str(i.fspath) not in slow_files)
+    # The longest files first (tests/durations.json, measured: ops/test_durations.py), each
+    # file's tests in their order: the workers (pyproject: -n 3 --dist loadfile) start on the
+    # long ones, and the short ones fill in at the end instead of one long file running alone.
+    # A file not in the table: after the known long ones if it has a slow test.
+    known = json.loads(DURATIONS.read_text())
+    slow_files = {_rel(i) for i in items if i.get_closest_marker("slow")}
+    items.sort(key=lambda i: -known.get(_rel(i), 30.0 if _rel(i) in slow_files else 0.0))
+
+
+DURATIONS = Path(__file__).parent / "durations.json"
+
+
+def _rel(item: pytest.Item) -> str:
+    return Path(str(item.fspath)).relative_to(DURATIONS.parents[1]).as_posix()
 
 
 @dataclass
