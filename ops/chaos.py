@@ -59,23 +59,36 @@ def _counted_restarts(drills: Drills, since: float) -> int:
         return tx.invariants.events_since(drills.job.id, "worker.restarting", since)
 
 
+class BusyLoops:
+    """``n`` busy-loop processes (``while True: pass``, default three per core) from creation
+    until ``end`` (or the ``with`` block's end): a CPU overload beside a job."""
+
+    def __init__(self, n: int | None = None) -> None:
+        self.n = 3 * (os.cpu_count() or 1) if n is None else n
+        self.procs = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)
+        ]
+
+    def end(self) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+
+    def __enter__(self) -> BusyLoops:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
+
+
 def overload(drills: Drills, seconds: float) -> DrillReport:
     """Busy loops, three per core, for ``seconds``; a pass when nobody was declared dead."""
-    r = DrillReport(
-        "overload", drills.job.name, f"{3 * (os.cpu_count() or 1)} busy loops", time.time()
-    )
+    r = DrillReport("overload", drills.job.name, "", time.time())
     before = _ended_workers(drills, r.fault_at)
-    procs = [
-        subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        for _ in range(3 * (os.cpu_count() or 1))
-    ]
-    try:
+    with BusyLoops() as loops:
+        r.target = f"{loops.n} busy loops"
         time.sleep(seconds)
-    finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
     r.detection_s = 0.0
     r.recovery_s = seconds
     dead = _ended_workers(drills, r.fault_at) - before

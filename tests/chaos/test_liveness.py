@@ -14,9 +14,6 @@ the engine seam (``tests/support/faults.py``):
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from ops.chaos import BusyLoops
 from orchestrator.db.engine import Database
 from orchestrator.errors import JobFailedError
 from tests.chaos.test_faults import _assert_nothing_lost, _config, _driver, _run_with
@@ -35,29 +33,11 @@ pytestmark = pytest.mark.timeout(600)
 HOOKS = "tests.support.faults"
 
 
-class Overload:
-    """Busy-loop processes, three per core, from start until ``end`` (or the test's end)."""
-
-    def __init__(self) -> None:
-        self.n = 3 * (os.cpu_count() or 2)
-        self.procs = [
-            subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)
-        ]
-
-    def end(self) -> None:
-        for p in self.procs:
-            p.kill()
-        for p in self.procs:
-            p.wait()
-
-
 @pytest.fixture
-def cpu_overload() -> Iterator[Overload]:
-    overload = Overload()
-    try:
-        yield overload
-    finally:
-        overload.end()
+def cpu_overload() -> Iterator[BusyLoops]:
+    """Busy loops, three per core (``ops/chaos.py``'s overload), until ``end`` or the test's end."""
+    with BusyLoops() as loops:
+        yield loops
 
 
 def _events(engine: sa.Engine, kind: str) -> list[Any]:
@@ -75,7 +55,7 @@ def test_slow_engine_under_cpu_overload_keeps_beating_and_a_hung_one_is_found(
     db: Database,
     engine: sa.Engine,
     tmp_path: Path,
-    cpu_overload: Overload,
+    cpu_overload: BusyLoops,
 ) -> None:
     flags = tmp_path / "flags"
     flags.mkdir()
