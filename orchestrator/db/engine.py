@@ -9,6 +9,7 @@ scheduler job, an actor method) owns it; repositories inside never commit.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,11 @@ from orchestrator.errors import DatabaseUnavailableError, UserError
 from orchestrator.settings import DatabaseTarget, mask_url, resolve_database
 
 APPLICATION_NAME = "rollcall"
+# PostgreSQL ends a session left idle inside a transaction this long (its process stopped or
+# frozen mid-transaction): otherwise it would keep its row locks, which the control plane's
+# sweeps skip (``FOR UPDATE SKIP LOCKED``), and a hung worker would never be declared dead.
+# Workers pass the heartbeat timeout instead (``control_plane.heartbeat_timeout_s``).
+IDLE_TX_TIMEOUT_S = 60.0
 
 
 def normalise_url(raw: str) -> URL:
@@ -76,6 +82,7 @@ class Database:
         *,
         pool_size: int = 5,
         max_overflow: int | None = None,
+        idle_tx_timeout_s: float = IDLE_TX_TIMEOUT_S,
     ) -> None:
         self.url = url
         self.target = target
@@ -95,7 +102,12 @@ class Database:
             json_serializer=jsontext.dumps,
             json_deserializer=jsontext.loads,
         )
-        event.listen(self.engine, "connect", _set_session_defaults)
+        self.idle_tx_timeout_s = idle_tx_timeout_s
+        event.listen(
+            self.engine,
+            "connect",
+            functools.partial(_set_session_defaults, idle_tx_timeout_ms=_ms(idle_tx_timeout_s)),
+        )
         self._sessions = sessionmaker(self.engine, expire_on_commit=False, autoflush=True)
 
     def describe(self) -> str:
@@ -155,10 +167,19 @@ def _tx(session: Session) -> Tx:
     )
 
 
-def _set_session_defaults(dbapi_conn: object, _record: object) -> None:
+def _ms(seconds: float) -> int:
+    if seconds <= 0:
+        raise ValueError(f"idle_tx_timeout_s must be positive, not {seconds:g}")
+    return max(1, round(seconds * 1000))
+
+
+def _set_session_defaults(dbapi_conn: object, _record: object, *, idle_tx_timeout_ms: int) -> None:
     # Keep a stuck statement from holding locks forever; long scans are not in the hot path.
+    # A session idle inside a transaction longer than the timeout is ended by the server (see
+    # IDLE_TX_TIMEOUT_S); its client's next statement fails and the retry layer reconnects.
     cur = dbapi_conn.cursor()  # type: ignore[attr-defined]
     cur.execute("SET lock_timeout = '30s'")
+    cur.execute(f"SET idle_in_transaction_session_timeout = {int(idle_tx_timeout_ms)}")
     cur.close()
     dbapi_conn.commit()  # type: ignore[attr-defined]
 
@@ -171,6 +192,7 @@ def open_database(
     verify_schema: bool = True,
     pool_size: int = 5,
     max_overflow: int | None = None,
+    idle_tx_timeout_s: float = IDLE_TX_TIMEOUT_S,
 ) -> Database:
     """Resolve, (start,) connect and, unless told otherwise, verify the schema is at head."""
     target = resolve_database(explicit_url, config_url, home)
@@ -180,7 +202,13 @@ def open_database(
         raw = EmbeddedPostgres(target.home).ensure_running()
     else:
         raw = target.url
-    db = Database(normalise_url(raw), target, pool_size=pool_size, max_overflow=max_overflow)
+    db = Database(
+        normalise_url(raw),
+        target,
+        pool_size=pool_size,
+        max_overflow=max_overflow,
+        idle_tx_timeout_s=idle_tx_timeout_s,
+    )
     try:
         db.check_connection()
         if verify_schema:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
@@ -58,11 +58,16 @@ from orchestrator.runner.progress import Pace, Progress, Snapshot
 from orchestrator.runner.rundir import RunDir
 from orchestrator.runner.trainer_control import TrainerControl, is_trainer_failure
 
+if TYPE_CHECKING:
+    from workers.rollout.node import NodeConfig
+
 log = logging.getLogger(__name__)
 # Waiting for a full batch: the loop claims again when rollout nodes completed as many groups
 # as the batch lacked (LISTEN/NOTIFY), and at the latest after WAIT_POLL_S.
 WAIT_POLL_S = 0.25
 NODE_STOP_TIMEOUT_S = 60.0
+# How long a step's bookkeeping waits for the rollout nodes' reports (_node_metrics).
+NODE_REPORT_WAIT_S = 10.0
 # A control-plane run that starts late (a loaded machine) still runs unless it is this late
 # (the process was frozen): then it is dropped, logged to driver.log and counted.
 MISFIRE_GRACE_S = 60
@@ -132,6 +137,7 @@ class JobDriver(TrainerControl):
         self.evaluator: Any = None
         self.scheduler: Any = None
         self.metrics: Any = None  # the Prometheus exporter (orchestrator/runner/metrics.py)
+        self._unanswered: dict[str, Any] = {}  # node actor id -> its report request still owed
         self.missed_runs: Any = None  # the scheduler's dropped runs (metrics.MissedRuns)
         self._release_logs: Callable[[], None] | None = None
         self._release_ray_messages: Callable[[], None] | None = None
@@ -293,9 +299,39 @@ class JobDriver(TrainerControl):
             say=lambda m: self.console.print(m, markup=False),
         )
 
-    def _make_node(self, index: int) -> Any:
+    def node_config(self, index: int) -> NodeConfig:
+        """The ``NodeConfig`` of rollout slot ``index``, from the job's config."""
         from workers.rollout.agent import Limits
-        from workers.rollout.node import NodeConfig, rollout_actor
+        from workers.rollout.node import NodeConfig
+
+        r = self.cfg.rollout
+        return NodeConfig(
+            name=f"rollout-{index}",
+            model_dir=str(self.model_dir),
+            concurrency=r.concurrency,
+            heartbeat_interval_s=r.heartbeat_interval_s,
+            tool_timeout_s=r.tool_timeout_s,
+            limits=Limits(
+                max_tokens_per_turn=r.max_tokens_per_turn,
+                max_tokens=r.max_tokens,
+                temperature=r.temperature,
+            ),
+            engine=r.engine,
+            seed=self.cfg.run.seed * 1000 + index,
+            threads=max(1, int(r.cpus_per_node)),
+            breaker_failures=r.breaker_failures,
+            tool_format=self.cfg.model.tool_format,
+            chat_template=self.chat_template,
+            engine_hook=self.engine_hooks.get(index),
+            endpoint_host=r.agent_endpoint_host,
+            weights_transport=self.cfg.trainer.weights.transport,
+            weights_grace_s=self.cfg.trainer.weights.grace_s,
+            db_connections=r.db_connections,
+            db_idle_tx_timeout_s=self.cfg.control_plane.heartbeat_timeout_s,
+        )
+
+    def _make_node(self, index: int) -> Any:
+        from workers.rollout.node import rollout_actor
 
         r = self.cfg.rollout
         actor = rollout_actor(
@@ -309,29 +345,7 @@ class JobDriver(TrainerControl):
         return actor.remote(
             self.db.url.render_as_string(hide_password=False),
             self.job_id,
-            NodeConfig(
-                name=f"rollout-{index}",
-                model_dir=str(self.model_dir),
-                concurrency=r.concurrency,
-                heartbeat_interval_s=r.heartbeat_interval_s,
-                tool_timeout_s=r.tool_timeout_s,
-                limits=Limits(
-                    max_tokens_per_turn=r.max_tokens_per_turn,
-                    max_tokens=r.max_tokens,
-                    temperature=r.temperature,
-                ),
-                engine=r.engine,
-                seed=self.cfg.run.seed * 1000 + index,
-                threads=max(1, int(r.cpus_per_node)),
-                breaker_failures=r.breaker_failures,
-                tool_format=self.cfg.model.tool_format,
-                chat_template=self.chat_template,
-                engine_hook=self.engine_hooks.get(index),
-                endpoint_host=r.agent_endpoint_host,
-                weights_transport=self.cfg.trainer.weights.transport,
-                weights_grace_s=self.cfg.trainer.weights.grace_s,
-                db_connections=r.db_connections,
-            ),
+            self.node_config(index),
             self.cfg.buffer,
         )
 
@@ -693,12 +707,31 @@ class JobDriver(TrainerControl):
         progress.message(notice.message)
 
     def _node_metrics(self) -> dict[str, float]:
-        """Weight-load latency and progress of the rollout nodes (their own reports)."""
+        """Weight-load latency and progress of the rollout nodes (their own reports), waited
+        for up to ``NODE_REPORT_WAIT_S``. A node that has not answered the last step's request
+        (frozen, or swamped) is not asked nor waited for again until it has: a hung node holds
+        up one step's bookkeeping, not every step's until it is declared dead. The figures are
+        of the nodes that answered (none: no figures); the others show in their heartbeats."""
         import ray
 
-        try:
-            reports = ray.get([n.report.remote() for n in self.supervisor.actors], timeout=10)
-        except Exception:  # a node that does not answer shows up in its heartbeat instead
+        asked: dict[str, Any] = {}
+        owing: dict[str, Any] = {}
+        for actor in self.supervisor.actors:
+            key = actor._actor_id.hex()
+            last = self._unanswered.get(key)
+            if last is not None and not ray.wait([last], timeout=0)[0]:
+                owing[key] = last
+            else:
+                asked[key] = actor.report.remote()
+        refs = list(asked.values())
+        ready = ray.wait(refs, num_returns=len(refs), timeout=NODE_REPORT_WAIT_S)[0] if refs else []
+        answered = {ref.hex() for ref in ready}
+        self._unanswered = owing | {k: r for k, r in asked.items() if r.hex() not in answered}
+        reports = []
+        for ref in ready:
+            with contextlib.suppress(Exception):  # a node that died: its heartbeat shows it
+                reports.append(ray.get(ref, timeout=0))
+        if (refs or owing) and not reports:
             return {}
         if self.metrics is not None:
             self.metrics.take_reports(reports)

@@ -50,6 +50,7 @@ class TrainerControl:
             job_id=self.job_id,
             scheduling=self.placement.trainer_strategies() if self.placement else None,
             placement_timeout_s=cfg.ray.placement_timeout_s,
+            db_idle_tx_timeout_s=cfg.control_plane.heartbeat_timeout_s,
         )
         try:
             with self.db.transaction() as tx:

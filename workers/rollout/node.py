@@ -100,12 +100,25 @@ class NodeConfig:
     # connections to PostgreSQL, shared by the loops (a connection per loop does not scale:
     # 64 loops x 16 nodes ran a 300-connection server out of connections)
     db_connections: int = 8
+    # PostgreSQL ends a session of the node left idle inside a transaction this long: a node
+    # stopped mid-transaction (SIGSTOP, a frozen machine) would otherwise keep its worker row
+    # locked, the dead-worker sweep skip it, and the node never be declared dead. The driver
+    # sets control_plane.heartbeat_timeout_s.
+    db_idle_tx_timeout_s: float = 60.0
 
 
-def node_database(database_url: str, config: NodeConfig) -> Database:
-    """The node's database: a pool of ``db_connections``, no overflow; a call waits for a free
-    connection (a checkpoint holds one for a few milliseconds)."""
-    return open_database(database_url, pool_size=config.db_connections, max_overflow=0)
+def node_database(
+    database_url: str, config: NodeConfig, *, connections: int | None = None
+) -> Database:
+    """The node's database: a pool of ``db_connections`` (or ``connections``), no overflow; a
+    call waits for a free connection (a checkpoint holds one for a few milliseconds). A
+    transaction left idle ``db_idle_tx_timeout_s`` is ended by the server."""
+    return open_database(
+        database_url,
+        pool_size=config.db_connections if connections is None else connections,
+        max_overflow=0,
+        idle_tx_timeout_s=config.db_idle_tx_timeout_s,
+    )
 
 
 @dataclass
@@ -185,7 +198,7 @@ class RolloutNode:
         preload(config.engine)  # before registering: imports stall every thread (see preload)
         self.db = node_database(database_url, config)
         self.buffer = Buffer(self.db, job_id, buffer or BufferConfig())
-        self.buffer.beat_db = open_database(database_url, pool_size=1, max_overflow=0)
+        self.buffer.beat_db = node_database(database_url, config, connections=1)
         # Registered ``starting`` before the engine loads, and beating from then on: a node
         # whose start is slow (imports, a model load on a busy machine) shows it is alive, and
         # the supervisor tells it from one that never came up.

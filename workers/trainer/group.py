@@ -63,6 +63,7 @@ class TrainerGroup:
         job_id: int | None = None,
         scheduling: list[Any] | None = None,
         placement_timeout_s: float = 120.0,
+        db_idle_tx_timeout_s: float = 60.0,
     ) -> None:
         """``scheduling``: each rank's Ray scheduling strategy (its reserved slot). The ranks
         must be placed within ``placement_timeout_s`` and set up within
@@ -87,6 +88,7 @@ class TrainerGroup:
             activation_checkpointing=config.activation_checkpointing,
             database_url=database_url,
             job_id=job_id,
+            db_idle_tx_timeout_s=db_idle_tx_timeout_s,
         )
         actor = trainer_actor(
             config.cpus_per_rank, 1.0 if config.device == "cuda" else 0.0, config.resources

@@ -49,6 +49,10 @@ class RankSettings:
     database_url: str | None = None  # with job_id: the rank registers and heartbeats
     job_id: int | None = None
     heartbeat_interval_s: float = 2.0
+    # the rank's transactions left idle this long are ended by the server (a rank stopped
+    # mid-transaction must not keep its worker row from the dead-worker sweep); the driver
+    # sets control_plane.heartbeat_timeout_s
+    db_idle_tx_timeout_s: float = 60.0
 
 
 def lr_factor(update: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -173,7 +177,8 @@ class TrainerRank:
         from orchestrator.db.engine import open_database
         from orchestrator.domain import WorkerRole
 
-        self.buffer = Buffer(open_database(s.database_url, pool_size=1), s.job_id)
+        db = open_database(s.database_url, pool_size=1, idle_tx_timeout_s=s.db_idle_tx_timeout_s)
+        self.buffer = Buffer(db, s.job_id)
         self.worker_id = self.buffer.register_worker(
             f"trainer-{self.rank}",
             role=WorkerRole.TRAINER,

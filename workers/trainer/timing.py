@@ -48,12 +48,14 @@ class TimingTrainerRank:
         lr: float = 0.0,
         database_url: str | None = None,
         job_id: int | None = None,
+        db_idle_tx_timeout_s: float = 60.0,
         sleep: Any = time.sleep,
     ) -> None:
         self.config = config
         self.lr = lr
         self.database_url = database_url
         self.job_id = job_id
+        self.db_idle_tx_timeout_s = db_idle_tx_timeout_s
         self.worker_id: int | None = None
         self.modelled_s = 0.0
         self._sleep = sleep
@@ -73,7 +75,8 @@ class TimingTrainerRank:
         from orchestrator.db.engine import open_database
         from orchestrator.domain import WorkerRole
 
-        self.buffer = Buffer(open_database(database_url, pool_size=1), job_id)
+        db = open_database(database_url, pool_size=1, idle_tx_timeout_s=self.db_idle_tx_timeout_s)
+        self.buffer = Buffer(db, job_id)
         self.worker_id = self.buffer.register_worker(
             "trainer-0", role=WorkerRole.TRAINER, host=socket.gethostname(), pid=os.getpid()
         ).id
@@ -153,6 +156,7 @@ class TimingTrainerGroup:
         job_id: int | None = None,
         scheduling: list[Any] | None = None,
         placement_timeout_s: float = 120.0,
+        db_idle_tx_timeout_s: float = 60.0,
     ) -> None:
         import ray
 
@@ -164,7 +168,11 @@ class TimingTrainerGroup:
         if scheduling:
             actor = actor.options(scheduling_strategy=scheduling[0])
         self.rank: Any = actor.remote(
-            config.timing_model, lr=config.lr, database_url=database_url, job_id=job_id
+            config.timing_model,
+            lr=config.lr,
+            database_url=database_url,
+            job_id=job_id,
+            db_idle_tx_timeout_s=db_idle_tx_timeout_s,
         )
         try:
             wait_placed([self.rank.pid.remote()], placement_timeout_s)
