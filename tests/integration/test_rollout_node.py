@@ -139,7 +139,6 @@ def test_a_lease_the_node_does_not_work_on_is_given_back_not_renewed(
         assert node.orphans_released == 1
     finally:
         node.stop()
-        node._beats_stop.set()
 
 
 def test_an_agent_loop_that_dies_gives_its_episode_back(
@@ -173,4 +172,26 @@ def test_an_agent_loop_that_dies_gives_its_episode_back(
         assert scalar(engine, "SELECT count(*) FROM episodes WHERE status = 'leased'") == 0
     finally:
         node.stop()
-        node._beats_stop.set()
+
+
+def test_stop_on_a_node_that_is_not_running_ends_its_beats(
+    tiny_dir: Path, db: Database, db_url: str, engine: sa.Engine
+) -> None:
+    """In-process: ``stop()`` on a node whose ``run`` ended on its own (``max_episodes``), or
+    that never ran, ends its heartbeat and upkeep threads. They kept beating for the process's
+    life: a test's node was seen beating against its dropped database from a later test."""
+    config = NodeConfig(name="r0", model_dir=str(tiny_dir), concurrency=1, heartbeat_interval_s=0.3)
+    ran, idle = (RolloutNode(db_url, 1, config, BufferConfig()) for _ in range(2))
+    try:
+        ran.run(max_episodes=0)  # nothing to do: returns, and the node beats on (still up)
+        assert ran._heartbeat.is_alive() and ran._upkeep.is_alive()
+        for node in (ran, idle):
+            node.stop()
+
+        def ended() -> bool:
+            return not any(t.is_alive() for n in (ran, idle) for t in (n._heartbeat, n._upkeep))
+
+        wait_for("the stopped nodes' beats ended", ended, timeout_s=30)
+    finally:
+        for node in (ran, idle):
+            node._beats_stop.set()

@@ -221,8 +221,12 @@ class RolloutNode:
         self._group_hint = max(1, config.concurrency)
         self._no_work_until = 0.0  # after a claim that found no work, the next one waits
         self._stop = threading.Event()
-        # beats go on while a stopping node finishes its episodes (its leases must stay live)
+        # beats go on while a stopping node finishes its episodes (its leases must stay live),
+        # and after a run that ended on its own (the node is still up); they end once the node
+        # is stopped and no run is active (``_runs``, under ``_runs_lock``)
         self._beats_stop = threading.Event()
+        self._runs = 0
+        self._runs_lock = threading.Lock()
         self.declared_dead = False
         self._engine_error: str | None = None  # the engine died: the node ends
         self._broken: str | None = None  # the breaker tripped: the node ends
@@ -288,6 +292,17 @@ class RolloutNode:
     ) -> dict[str, Any]:
         """Run the agent loops until ``max_episodes`` episodes were handled, the buffer had no
         work for ``until_idle_s`` seconds, or ``stop()``."""
+        with self._runs_lock:
+            self._runs += 1
+        try:
+            return self._run(max_episodes, until_idle_s)
+        finally:
+            with self._runs_lock:
+                self._runs -= 1
+                if self._stop.is_set() and self._runs == 0:
+                    self._beats_stop.set()
+
+    def _run(self, max_episodes: int | None, until_idle_s: float | None) -> dict[str, Any]:
         budget = threading.Semaphore(max_episodes) if max_episodes is not None else None
         loops = [
             threading.Thread(target=self._loop, args=(budget, until_idle_s), name=f"agent-{i}")
@@ -304,8 +319,6 @@ class RolloutNode:
             self._beats_stop.set()
             raise NodeBroken(f"{self.config.name}: {self._broken}")
         self._beat_once()
-        if self._stop.is_set():
-            self._beats_stop.set()
         return self.report()
 
     def load_weights(self, version: int, location: str) -> int:
@@ -344,7 +357,12 @@ class RolloutNode:
         }
 
     def stop(self) -> None:
-        self._stop.set()
+        """End the node: a ``run`` in progress finishes its episodes (beating meanwhile) and
+        returns, then the beats end; with no run in progress they end now."""
+        with self._runs_lock:
+            self._stop.set()
+            if self._runs == 0:
+                self._beats_stop.set()
 
     # -- internals ------------------------------------------------------------------------------
 
