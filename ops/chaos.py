@@ -65,9 +65,13 @@ class BusyLoops:
 
     def __init__(self, n: int | None = None) -> None:
         self.n = 3 * (os.cpu_count() or 1) if n is None else n
-        self.procs = [
-            subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)
-        ]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for _ in range(self.n):
+                self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+        except BaseException:  # one failed to start: end the ones that did
+            self.end()
+            raise
 
     def end(self) -> None:
         for p in self.procs:

@@ -24,6 +24,8 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
+from ops.test_durations import ROOT, TABLE
+
 # The suite runs three workers on two cores (pyproject: -n 3), each with its Ray actors and
 # vLLM engines: the cores are always oversubscribed. OpenMP's default wait policy spins idle
 # threads at every parallel region's end, burning CPU the other processes wait for; passive
@@ -41,8 +43,8 @@ SLOW_FIXTURES = {"ray_local", "smollm2_dir"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        path = Path(str(item.fspath))
+    files = {i: Path(str(i.fspath)).relative_to(ROOT) for i in items}
+    for item, path in files.items():
         fixtures = set(getattr(item, "fixturenames", ()))
         if SLOW_DIRS & set(path.parent.parts) or SLOW_FIXTURES & fixtures:
             item.add_marker(pytest.mark.slow)
@@ -50,17 +52,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # file's tests in their order: the workers (pyproject: -n 3 --dist loadfile) start on the
     # long ones, and the short ones fill in at the end instead of one long file running alone.
     # A file not in the table: after the known long ones if it has a slow test.
-    known = json.loads(DURATIONS.read_text())
-    files = {i: _rel(i) for i in items}
-    slow_files = {files[i] for i in items if i.get_closest_marker("slow")}
-    items.sort(key=lambda i: -known.get(files[i], 30.0 if files[i] in slow_files else 0.0))
-
-
-DURATIONS = Path(__file__).parent / "durations.json"
-
-
-def _rel(item: pytest.Item) -> str:
-    return Path(str(item.fspath)).relative_to(DURATIONS.parents[1]).as_posix()
+    known = json.loads(TABLE.read_text())
+    rel = {i: p.as_posix() for i, p in files.items()}
+    slow_files = {rel[i] for i in items if i.get_closest_marker("slow")}
+    items.sort(key=lambda i: -known.get(rel[i], 30.0 if rel[i] in slow_files else 0.0))
 
 
 @dataclass
