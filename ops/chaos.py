@@ -156,6 +156,10 @@ def run_chaos(
             f"recover {r.recovery_s if r.recovery_s is not None else float('nan'):6.2f} s  "
             f"lost {r.lost} dup {r.duplicated} {'ok' if r.passed else 'FAILED'}"
         )
+        if not r.passed:
+            for note in [r.invariant_summary, *r.notes]:
+                if note:
+                    say(f"     {note}")
         time.sleep(pause_s)
     totals: dict[str, Any] = {
         "faults": len(reports),

@@ -207,7 +207,14 @@ class Buffer:
             self._heartbeat_timeout_s = heartbeat_timeout_s
             with self._outage_lock:
                 last, self._last_dead_sweep = self._last_dead_sweep, now
-            gap = last is not None and (now - last).total_seconds() > heartbeat_timeout_s / 2
+            since_last = None if last is None else (now - last).total_seconds()
+            gap = since_last is not None and since_last > heartbeat_timeout_s / 2
+            if gap:
+                log.warning(
+                    "dead-worker sweep: %.1f s since the last one (the driver or the database "
+                    "stalled); nobody is judged by the beats it may have missed meanwhile",
+                    since_last,
+                )
             ended = self._outage_seen(now, gap=gap)
             since = None if ended is None else ended + timedelta(seconds=CAP_S)
             dead = []

@@ -208,6 +208,8 @@ class Drills:
             r.detection_s = None if dead_at is None else dead_at - t0
             up_at = self._wait(functools.partial(self._slot_serving, name, wid, version))
             r.recovery_s = None if up_at is None else up_at - t0
+            if dead_at is None:
+                r.notes.append(self._not_declared_dead(wid, name))
             if signum == signal.SIGSTOP:  # the supervisor SIGKILLs a hung node; never leave
                 # a stopped process behind if it did not
                 try:
@@ -335,6 +337,21 @@ class Drills:
         self._account(r, snaps)
         self._finish(r)
         return r
+
+    def _not_declared_dead(self, worker_id: int, name: str) -> str:
+        """A note for a target the control plane did not declare dead within the timeout:
+        what it saw of it at the end of the wait."""
+        with self.db.transaction() as tx:
+            d = tx.workers.diagnose(worker_id)
+        if d is None:
+            return f"{name} was not declared dead: its row is gone"
+        return (
+            f"{name} was not declared dead within {self.timeout_s:g} s: status {d['status']}, "
+            f"last beat {d['heartbeat_age_s']} s ago, progress {d['progress_age_s']} s ago, "
+            f"its row {'LOCKED by another session' if d['row_locked'] else 'not locked'}; "
+            f"{d['idle_in_transaction']} sessions idle in a transaction (the longest "
+            f"{d['idle_in_transaction_longest_s']} s)"
+        )
 
     # -- accounting ---------------------------------------------------------------------------
 

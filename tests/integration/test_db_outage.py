@@ -169,6 +169,24 @@ def test_a_database_restart_is_recorded_as_one_outage_event(
     # it lasted at least while the server was down, at most the whole test
     assert t1 - t0 - 1.0 <= payload["duration_s"] <= t2 - t0, (payload, t1 - t0, t2 - t0)
     assert payload["began_at"] < payload["ended_at"]
-    assert payload["operations"]["Buffer.sweep_dead_workers"] >= 1
+    # the control plane's calls that met the outage: whichever sweep was due (the one that
+    # met it first retries until the server is back, the other may never fail)
+    sweeps = {"Buffer.sweep_dead_workers", "Buffer.sweep_expired_leases"}
+    assert sweeps & set(payload["operations"]), payload
     assert "Buffer.beat" not in payload["operations"]  # the node's own, not this process's
     assert message.startswith("database unavailable for ")
+
+
+def test_a_sweep_after_a_stall_says_so_in_the_log(
+    db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A gap between two dead-worker sweeps longer than half the heartbeat timeout (the driver
+    or the database stalled) postpones every death declaration: the driver.log says so."""
+    control = make_buffer(db)
+    control.sweep_dead_workers(HEARTBEAT_TIMEOUT_S, 600.0)
+    time.sleep(HEARTBEAT_TIMEOUT_S / 2 + 0.5)
+    with caplog.at_level("WARNING", logger="orchestrator.buffer.service"):
+        control.sweep_dead_workers(HEARTBEAT_TIMEOUT_S, 600.0)
+        control.sweep_dead_workers(HEARTBEAT_TIMEOUT_S, 600.0)  # no gap: no line
+    lines = [r.getMessage() for r in caplog.records if "dead-worker sweep" in r.getMessage()]
+    assert len(lines) == 1 and "since the last one" in lines[0], lines

@@ -24,12 +24,13 @@ from sqlalchemy.exc import OperationalError
 
 from orchestrator.buffer.service import DeadWorker
 from orchestrator.db.engine import Database
+from orchestrator.services.drills import Drills
 from tests.integration.buffer_helpers import make_buffer
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
-HEARTBEAT_TIMEOUT_S = 2.0  # control_plane.heartbeat_timeout_s, and the node's idle bound
+HEARTBEAT_TIMEOUT_S = 4.0  # control_plane.heartbeat_timeout_s, and the node's idle bound
 
 # the node's process: its database as the node opens it, a heartbeat's UPDATE, then a hang
 # before the commit
@@ -82,6 +83,10 @@ def test_a_node_stopped_inside_a_transaction_is_declared_dead(
         c.execute(
             sa.text("SELECT 1 FROM workers WHERE id = :w FOR UPDATE NOWAIT"), {"w": worker_id}
         )
+    # what a drill that waited in vain reports of it (the lock, the idle session)
+    note = Drills(db, "default")._not_declared_dead(worker_id, "hung")
+    assert "its row LOCKED by another session" in note, note
+    assert "0 sessions idle in a transaction" not in note, note
     control = make_buffer(db)
     dead: list[DeadWorker] = []
 
@@ -94,6 +99,9 @@ def test_a_node_stopped_inside_a_transaction_is_declared_dead(
     wait_for("the stopped node declared dead", swept, timeout_s=10 * HEARTBEAT_TIMEOUT_S)
     assert [(d.worker_id, d.name) for d in dead] == [(worker_id, "hung")]
     assert dead[0].reason.startswith("no heartbeat for ")
+    with db.transaction() as tx:
+        after = tx.workers.diagnose(worker_id)
+    assert after is not None and after["status"] == "dead" and not after["row_locked"]
 
 
 def test_a_job_bounds_its_nodes_idle_transactions_by_the_heartbeat_timeout(

@@ -221,6 +221,47 @@ class WorkerRepository:
         ).one_or_none()
         return _view(row) if row else None
 
+    def diagnose(self, worker_id: int) -> dict[str, Any] | None:
+        """What the control plane sees of a worker that was not declared dead in time (a drill
+        that waited in vain): its status and the ages of its last beat and progress, whether
+        another session holds a lock on its row (the dead-worker sweep skips locked rows), and
+        the sessions idle inside a transaction on this database (how many, the longest). The
+        lock probe locks the row for the rest of this (short) transaction when it is free."""
+        row = self.session.execute(
+            text(
+                """
+                SELECT status::text AS status,
+                       extract(epoch FROM now() - last_heartbeat_at) AS heartbeat_age_s,
+                       extract(epoch FROM now() - last_progress_at) AS progress_age_s
+                FROM workers WHERE id = :w
+                """
+            ),
+            {"w": worker_id},
+        ).one_or_none()
+        if row is None:
+            return None
+        free = self.session.execute(
+            text("SELECT id FROM workers WHERE id = :w FOR UPDATE SKIP LOCKED"), {"w": worker_id}
+        ).one_or_none()
+        idle = self.session.execute(
+            text(
+                """
+                SELECT count(*) AS n,
+                       coalesce(max(extract(epoch FROM now() - state_change)), 0) AS longest_s
+                FROM pg_stat_activity
+                WHERE datname = current_database() AND state = 'idle in transaction'
+                """
+            )
+        ).one()
+        return {
+            "status": row.status,
+            "heartbeat_age_s": round(float(row.heartbeat_age_s), 1),
+            "progress_age_s": round(float(row.progress_age_s), 1),
+            "row_locked": free is None,
+            "idle_in_transaction": int(idle.n),
+            "idle_in_transaction_longest_s": round(float(idle.longest_s), 1),
+        }
+
 
 def _view(r: Any) -> WorkerView:
     return WorkerView(
