@@ -131,6 +131,7 @@ def run_chaos(
     wall0 = time.time()
     reports: list[DrillReport] = []
     done: list[str] = []
+    failed_lines: list[str] = []  # each failed fault's line and notes
     t0 = time.monotonic()
     for i in range(faults):
         kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
@@ -151,15 +152,16 @@ def run_chaos(
             r = drills.restart_db(restart_db)
         reports.append(r)
         done.append(kind)
-        say(
+        lines = [
             f"{i + 1:>4} {r.drill:<24} {r.target:<10} detect {r.detection_s or 0:6.2f} s  "
             f"recover {r.recovery_s if r.recovery_s is not None else float('nan'):6.2f} s  "
             f"lost {r.lost} dup {r.duplicated} {'ok' if r.passed else 'FAILED'}"
-        )
+        ]
         if not r.passed:
-            for note in [r.invariant_summary, *r.notes]:
-                if note:
-                    say(f"     {note}")
+            lines += [f"     {note}" for note in (r.invariant_summary, *r.notes) if note]
+            failed_lines += lines
+        for line in lines:
+            say(line)
         time.sleep(pause_s)
     totals: dict[str, Any] = {
         "faults": len(reports),
@@ -172,6 +174,7 @@ def run_chaos(
         "restarts_counted": _counted_restarts(drills, wall0),
         "in_flight_samples": sum(r.in_flight_samples for r in reports),
         "resumed_turns": sum(r.resumed_turns for r in reports),
+        "failed_faults": failed_lines,
     }
     for label, pick in (
         ("rollout_kill", lambda r: r.drill == "kill-rollout --signal KILL"),
