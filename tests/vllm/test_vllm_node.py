@@ -101,8 +101,8 @@ def test_a_vllm_node_survives_a_failed_load_and_gives_back_a_dead_engines_leases
 
     # 3. the EngineCore SIGKILLed mid-generation: every lease given back at once, uncounted
     held = f"SELECT id, attempts FROM episodes WHERE status = 'leased' AND lease_owner = {report['worker_id']}"
-    wait_for("episodes in flight", lambda: rows(engine, held), 60)
-    attempts = dict(rows(engine, held))
+    # the rows that were seen (a second query could find them finished: an empty list)
+    attempts = dict(wait_for("episodes in flight", lambda: rows(engine, held), 60))
     t0 = time.monotonic()
     os.kill(core, signal.SIGKILL)
     with pytest.raises(Exception, match="EngineFailure"):

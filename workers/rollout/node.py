@@ -47,7 +47,7 @@ from typing import Any
 from orchestrator.buffer.service import Buffer
 from orchestrator.buffer.types import ClaimedEpisode, Lease
 from orchestrator.config import BufferConfig, EngineConfig, HFEngineConfig
-from orchestrator.db.engine import Database, open_database
+from orchestrator.db.engine import IDLE_TX_TIMEOUT_S, Database, open_database
 from orchestrator.domain import SampleState, WorkerStatus
 from orchestrator.errors import StaleLeaseError
 from tasks import registry
@@ -104,7 +104,7 @@ class NodeConfig:
     # stopped mid-transaction (SIGSTOP, a frozen machine) would otherwise keep its worker row
     # locked, the dead-worker sweep skip it, and the node never be declared dead. The driver
     # sets control_plane.heartbeat_timeout_s.
-    db_idle_tx_timeout_s: float = 60.0
+    db_idle_tx_timeout_s: float = IDLE_TX_TIMEOUT_S
 
 
 def node_database(
