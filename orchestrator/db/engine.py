@@ -102,7 +102,6 @@ class Database:
             json_serializer=jsontext.dumps,
             json_deserializer=jsontext.loads,
         )
-        self.idle_tx_timeout_s = idle_tx_timeout_s
         event.listen(
             self.engine,
             "connect",
