@@ -20,20 +20,23 @@ place through the worker extension (``VLLMEngine.receive_weights`` ->
    exactly as the same version loaded from its file. A and B must sample differently, so the
    check cannot pass with weights that did not change.
 
-Backends (``--backend``):
+Backends (``--backend``; ``auto`` is ``nccl`` on CUDA, ``gloo`` on the CPU):
 
-- ``nccl`` (what ``auto`` picks with two or more GPUs): the engine on GPU 0 (vLLM's worker
-  receives into GPU memory), the trainer's tensors on GPU 1.
-- ``gloo`` (what ``auto`` picks with one GPU, and on the CPU): the trainer's tensors share the
-  engine's GPU; each bucket is copied to host memory, broadcast over TCP, and received into host
-  staging memory by vLLM's worker, whose load copies it onto the GPU.
+- ``nccl`` with two or more GPUs: the engine on GPU 0 (vLLM's worker receives into GPU
+  memory), the trainer's tensors on GPU 1; NCCL picks its fastest path between them.
+- ``nccl`` on one GPU: trainer and engine share it. NCCL refuses two ranks of one group on one
+  device ("Duplicate GPU detected": it tells devices apart by host and bus id), so each side
+  runs as a host of its own (``NCCL_HOSTID``: the engine's processes are started with one, this
+  process has another) and NCCL carries the broadcast over its socket transport on loopback
+  (``NCCL_SOCKET_IFNAME=lo``, InfiniBand off). That is real NCCL into vLLM, at the speed of
+  its network path, not of a GPU-to-GPU copy: a lower bound for NCCL between two GPUs. A job
+  sets no ``NCCL_HOSTID``: its trainer ranks and engines hold GPUs of their own (Ray
+  placement), so NCCL sees distinct devices.
+- ``gloo``: each bucket is copied to host memory, broadcast over TCP and received into host
+  staging memory by vLLM's worker, whose load copies it onto its device (the trainer's tensors
+  on GPU 0, beside the engine's, on a GPU machine).
 
-NCCL cannot serve one GPU: it refuses two ranks of one group on the same device ("Duplicate GPU
-detected"), so a trainer and an engine that share a GPU cannot form an NCCL group. The transport
-that would serve them, CUDA IPC handles passed to the engine's worker, is not built; on one GPU
-this script measures the gloo path, and ``--backend nccl`` exits 2 with that reason.
-
-Sizes: tiny (hidden 128, 2 layers, about 0.5M parameters), 100m (768 x 12, about 0.1B), 1b
+Sizes: tiny (hidden 128, 2 layers, 0.6M parameters), 100m (768 x 12, about 0.1B), 1b
 (2048 x 16, about 1B). ``--deadline-s`` (default 420 s) skips the sizes not yet started once
 it has passed, so a run stops well inside 10 minutes.
 
@@ -41,12 +44,13 @@ Usage: python ops/gpu/weight_broadcast.py [--device cuda|cpu] [--backend auto|nc
        [--sizes tiny,100m,1b] [--repeats 3] [--bucket-mb 256] [--keep DIR]
 Prints progress and a table, then (last line) one JSON object; exit 0 when every check passed,
 1 if one failed, 2 when the machine cannot run it (no vLLM of the right build, no GPU, NCCL
-asked for on one GPU).
+asked for on the CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -55,6 +59,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,32 +77,46 @@ SAMPLE_TOKENS = 16
 # Max |log-prob| difference between a broadcast-loaded and a file-loaded sample of the same
 # weights: the same engine, inputs and seeds on the same kernels; measured 0 on the CPU.
 TOLERANCE = 1e-3
-ONE_GPU_NCCL = (
-    "NCCL needs the trainer and the engine on different GPUs: it refuses two ranks of one group "
-    "on the same device ('Duplicate GPU detected'), and {gpus} GPU is visible. On one GPU use "
-    "--backend gloo (what auto picks): the trainer's tensors pass through host memory"
-)
+ENGINE_HOST_ID = "rollcall-engine"  # NCCL_HOSTID of vLLM's processes, for nccl on one GPU
+TRAINER_HOST_ID = "rollcall-trainer"  # and of this process (rank 0)
 
 
-def choose_backend(device: str, backend: str, gpus: int) -> tuple[str, str | None]:
+def choose_backend(device: str, backend: str) -> tuple[str, str | None]:
     """(backend, error): ``auto`` resolved for the machine, or why the asked one cannot run."""
     if device == "cpu":
         if backend == "nccl":
             return backend, "NCCL needs CUDA GPUs: on the CPU the transport uses gloo"
         return "gloo", None
-    if backend == "auto":
-        return ("nccl" if gpus >= 2 else "gloo"), None
-    if backend == "nccl" and gpus < 2:
-        return backend, ONE_GPU_NCCL.format(gpus=gpus)
-    return backend, None
+    return ("nccl" if backend == "auto" else backend), None
 
 
-def trainer_device(device: str, backend: str) -> str:
-    """Where rank 0's tensors live: a GPU of its own for NCCL (the engine has GPU 0), the
-    engine's GPU for gloo on a GPU machine, else the CPU."""
+def placement(device: str, backend: str, gpus: int) -> str:
+    """Where rank 0's tensors live and how NCCL reaches the engine: ``separate`` (rank 0 on
+    GPU 1, the engine on GPU 0), ``shared`` (one GPU, one NCCL host per process), ``host``
+    (gloo: the tensors on the engine's GPU, staged through host memory) or ``cpu``."""
     if device == "cpu":
         return "cpu"
-    return "cuda:1" if backend == "nccl" else "cuda:0"
+    if backend == "nccl":
+        return "separate" if gpus >= 2 else "shared"
+    return "host"
+
+
+def trainer_device(where: str) -> str:
+    return {"cpu": "cpu", "separate": "cuda:1"}.get(where, "cuda:0")
+
+
+@contextlib.contextmanager
+def nccl_host(host_id: str | None) -> Iterator[None]:
+    """``NCCL_HOSTID`` set to ``host_id`` inside (processes started there inherit it), this
+    process's own value outside; nothing when ``host_id`` is None."""
+    if host_id is None:
+        yield
+        return
+    os.environ["NCCL_HOSTID"] = host_id
+    try:
+        yield
+    finally:
+        os.environ["NCCL_HOSTID"] = TRAINER_HOST_ID
 
 
 def main() -> int:
@@ -129,10 +148,15 @@ def main() -> int:
         import torch
 
         gpus = torch.cuda.device_count()
-    backend, refused = choose_backend(args.device, args.backend, gpus)
+    backend, refused = choose_backend(args.device, args.backend)
     if refused:
         print(json.dumps({"ok": False, "error": refused, "gpus": gpus}))
         return 2
+    where = placement(args.device, backend, gpus)
+    if where == "shared":  # one NCCL host per process, over loopback sockets
+        os.environ["NCCL_HOSTID"] = TRAINER_HOST_ID
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_IB_DISABLE", "1")
     # vLLM's processes import the worker extension by name: make the checkout importable
     # there; and they must be spawned, since this process holds CUDA tensors before each start.
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -143,18 +167,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.keep or Path(tmp)
         try:
-            report = run(args, sizes, backend, work, started)
+            report = run(args, sizes, backend, where, work, started)
         except Exception as e:  # a crash is a failed check too, reported on the JSON line
             traceback.print_exc()
             report = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    report.update(device=args.device, backend=backend, gpus=gpus, dtype=args.dtype)
+    report.update(device=args.device, backend=backend, placement=where, gpus=gpus)
+    report["dtype"] = args.dtype
     report["wall_s"] = round(time.monotonic() - started, 1)
     print(json.dumps(report))
     return 0 if report["ok"] else 1
 
 
 def run(
-    args: argparse.Namespace, sizes: list[str], backend: str, work: Path, started: float
+    args: argparse.Namespace,
+    sizes: list[str],
+    backend: str,
+    where: str,
+    work: Path,
+    started: float,
 ) -> dict[str, Any]:
     import vllm
 
@@ -169,7 +199,7 @@ def run(
             skipped.append(size)
             print(f"skip {size}: past the deadline of {args.deadline_s:.0f} s", flush=True)
             continue
-        rows.append(measure(args, size, epoch, backend, rendezvous, work / size, failures))
+        rows.append(measure(args, size, epoch, backend, where, rendezvous, work / size, failures))
     print_table(rows)
     return {
         "ok": not failures,
@@ -207,6 +237,7 @@ def measure(
     size: str,
     epoch: int,
     backend: str,
+    where: str,
     rendezvous: Any,
     work: Path,
     failures: list[str],
@@ -226,7 +257,7 @@ def measure(
 
     hidden, layers, heads = SIZES[size]
     dtype = getattr(torch, args.dtype)
-    device = trainer_device(args.device, backend)
+    device = trainer_device(where)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # NCCL's rank 0 uses the current device
     print(f"[{size}] building the model (hidden {hidden}, {layers} layers)", flush=True)
@@ -248,7 +279,8 @@ def measure(
         max_model_len=1024,
         enforce_eager=True,
     )
-    engine = VLLMEngine(model_dir, config, seed=0)
+    with nccl_host(ENGINE_HOST_ID if where == "shared" else None):
+        engine = VLLMEngine(model_dir, config, seed=0)
     row: dict[str, Any] = {
         "size": size,
         "parameters": params,
@@ -345,14 +377,15 @@ def broadcast(engine: Any, rendezvous: Any, offer: Any, state: dict[str, Any]) -
 
 
 def sample(engine: Any, prompts: list[list[int]]) -> list[Any]:
-    """Seeded samples (the same weights give the same tokens and log-probs)."""
+    """Seeded samples, one request at a time: the same weights give the same tokens and
+    log-probs (one at a time, every sample runs in a batch of one, so a GPU's kernels, which
+    may round differently for another batch shape, see the same shapes each time)."""
     from workers.rollout.engines.base import GenerationRequest
 
-    return list(
-        engine.generate(
-            [GenerationRequest(list(p), SAMPLE_TOKENS, 1.0, seed=i) for i, p in enumerate(prompts)]
-        )
-    )
+    return [
+        engine.generate([GenerationRequest(list(p), SAMPLE_TOKENS, 1.0, seed=i)])[0]
+        for i, p in enumerate(prompts)
+    ]
 
 
 def distance(a: list[Any], b: list[Any]) -> float:
