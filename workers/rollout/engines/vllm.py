@@ -27,13 +27,15 @@ What it owns and guarantees:
   (``ops/gpu/vllm_smoke.py --device cpu``).
 - Every call into the engine has a timeout (``start_timeout_s``, ``request_timeout_s``,
   ``load_timeout_s``). vLLM's EngineCore is a separate process (with a worker process under
-  it): when it dies (``EngineDeadError``, or AsyncLLM ``errored``) or a call times out, the
-  engine is dead for good and every call raises ``EngineFailure`` (fatal); ``failure()`` says so
-  without blocking, for the node's heartbeat. The rollout node then gives its episodes back
-  without counting an attempt and ends; the supervisor starts a new node.
-- No orphans: right after start, a watchdog thread in vLLM's worker process
-  (``rollcall_watch``, through the worker extension) checks every half second that the
-  EngineCore's parent is still this process; when this process is gone (a SIGKILLed Ray actor)
+  it on the CPU and with several GPUs; on one GPU vLLM's ``uni`` executor runs the worker
+  inside the EngineCore): when it dies (``EngineDeadError``, or AsyncLLM ``errored``) or a call
+  times out, the engine is dead for good and every call raises ``EngineFailure`` (fatal);
+  ``failure()`` says so without blocking, for the node's heartbeat. The rollout node then
+  gives its episodes back without counting an attempt and ends; the supervisor starts a new
+  node.
+- No orphans: right after start, a watchdog thread in vLLM's worker (``rollcall_watch``,
+  through the worker extension) checks every half second that the EngineCore's parent is
+  still this process; when this process is gone (a SIGKILLed Ray actor)
   it SIGKILLs the EngineCore and exits. ``close()`` shuts vLLM down and SIGKILLs any of its
   processes still left.
 - Weights of a version load in place from a published folder (``model.safetensors``) through
@@ -228,21 +230,28 @@ class RollcallWorkerExtension:
         return {"tensors": len(state), "parameters": len(expected)}
 
     def rollcall_watch(self, owner_pid: int, interval_s: float = 0.5) -> tuple[int, int]:
-        """Start the watchdog: once the EngineCore (this worker's parent) is no longer a child
-        of ``owner_pid`` (the process that started vLLM died), kill the EngineCore and exit.
-        Returns (the EngineCore's pid, this worker's pid)."""
-        core = os.getppid()
+        """Start the watchdog: once the EngineCore is no longer a child of ``owner_pid`` (the
+        process that started vLLM died), kill the EngineCore and exit. The worker is a process
+        of its own under the EngineCore (vLLM's ``mp`` executor: on the CPU, and with more
+        than one GPU) or the EngineCore itself (``uni``, vLLM's default for one GPU), whose
+        parent is then the owner. Returns (the EngineCore's pid, this worker's pid); both the
+        owner's when vLLM runs inside it (nothing to watch)."""
+        me = os.getpid()
+        if me == owner_pid:
+            return me, me
+        core = me if os.getppid() == owner_pid else os.getppid()
 
         def watch() -> None:
             while True:
                 time.sleep(interval_s)
                 if _parent_of(core) != owner_pid:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(core, signal.SIGKILL)
+                    if core != me:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(core, signal.SIGKILL)
                     os._exit(1)
 
         threading.Thread(target=watch, name="rollcall-watchdog", daemon=True).start()
-        return core, os.getpid()
+        return core, me
 
 
 class VLLMEngine:
@@ -323,10 +332,11 @@ class VLLMEngine:
             # (EngineCore pid, worker pid) as the worker saw them: what drills and orphan
             # checks use, whatever the processes are named
             core_pid = int(watched[0][0])
-            self.processes = {
-                "engine_core": core_pid,
-                "engine_workers": [int(w[1]) for w in watched],
-            }
+            if core_pid != os.getpid():  # else vLLM runs in this process: none to kill
+                self.processes = {
+                    "engine_core": core_pid,
+                    "engine_workers": [int(w[1]) for w in watched],
+                }
         except BaseException:
             self._stop_loop()
             kill_engine_processes()

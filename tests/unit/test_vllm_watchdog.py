@@ -1,0 +1,113 @@
+"""The vLLM worker extension's watchdog (``RollcallWorkerExtension.rollcall_watch``) in both
+process layouts vLLM uses, as a real process tree (plain Python processes stand in for vLLM's:
+the layouts are what matters, and vLLM's CUDA layout cannot run here):
+
+- ``mp`` executor (vLLM's choice on the CPU and with TP > 1): owner -> EngineCore -> worker;
+  the watch runs in the worker.
+- ``uni`` executor (vLLM's default for one GPU): owner -> EngineCore, and the worker, with the
+  watch, runs inside the EngineCore.
+
+In each, the watch must leave the owner alone while it lives and end the EngineCore (and the
+worker) once the owner dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.support.waiting import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# argv: layout, owner pid, report file. "uni": this process is the EngineCore and runs the
+# watch; "mp": it is the EngineCore and starts a worker (this same script, layout "worker").
+CORE = textwrap.dedent(
+    """
+    import json, subprocess, sys, time
+    layout, owner, report = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    if layout == "mp":
+        subprocess.Popen([sys.executable, __file__, "worker", str(owner), report])
+    else:
+        from workers.rollout.engines.vllm import RollcallWorkerExtension
+        watched = RollcallWorkerExtension().rollcall_watch(owner, 0.05)
+        with open(report + ".tmp", "w") as f:
+            json.dump(list(watched), f)
+        import os
+        os.rename(report + ".tmp", report)
+    time.sleep(120)
+    """
+)
+OWNER = textwrap.dedent(
+    """
+    import os, subprocess, sys
+    core = subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2], str(os.getpid()), sys.argv[3]])
+    core.wait()
+    """
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["uni", "mp"])
+def test_the_watch_spares_a_live_owner_and_ends_the_engine_when_it_dies(
+    layout: str, tmp_path: Path
+) -> None:
+    script = tmp_path / "core.py"
+    script.write_text(CORE)
+    report = tmp_path / "watched.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(script), layout, str(report)], env=env
+    )
+    try:
+        wait_for("the watch to start", report.exists, 60)
+        core, worker = json.loads(report.read_text())
+        (started,) = children(owner.pid)
+        assert core == started, "the EngineCore is the owner's child"
+        if layout == "uni":
+            assert worker == core, "the worker runs inside the EngineCore"
+        else:
+            assert children(core) == [worker], "the worker is the EngineCore's child"
+        # a live owner is left alone (the old watch took the owner for the EngineCore and, its
+        # parent not being the owner, killed it within one interval)
+        with pytest.raises(subprocess.TimeoutExpired):
+            owner.wait(timeout=1.0)
+        assert alive(core) and alive(worker)
+        owner.kill()
+        owner.wait()
+        wait_for(
+            "the EngineCore and the worker to end after the owner died",
+            lambda: not alive(core) and not alive(worker),
+            30,
+        )
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        for pid in children(owner.pid):
+            os.kill(pid, signal.SIGKILL)
