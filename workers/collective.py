@@ -129,13 +129,20 @@ def _group(
     return dist.ProcessGroupGloo(prefixed, rank, world, gloo)
 
 
-def _broadcast(group: Any, flat: Any, timeout_s: float) -> None:
+def _broadcast(group: Any, flat: Any, timeout_s: float, backend: str) -> None:
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.timeout = timedelta(seconds=timeout_s)
-    group.broadcast([flat], opts).wait()
+    work = group.broadcast([flat], opts)
+    if backend == "nccl":
+        # NCCL's plain wait() only orders the current CUDA stream after the operation; with a
+        # timeout it blocks this thread until the operation completes, and raises when it does
+        # not within the timeout, so a dead or hung member fails the broadcast here, as on gloo
+        work.wait(timedelta(seconds=timeout_s))
+    else:
+        work.wait()
 
 
 def _abort(group: Any) -> None:
@@ -184,7 +191,7 @@ def send(rendezvous: Rendezvous, offer: Offer, state: dict[str, Any]) -> float:
                 for i in idx
             ]
             flat = torch.cat(parts).to(device) if len(parts) > 1 else parts[0].to(device)
-            _broadcast(group, flat, offer.timeout_s)
+            _broadcast(group, flat, offer.timeout_s, offer.backend)
     except Exception as e:
         _abort(group)
         raise BroadcastFailed(f"broadcasting version {offer.version}: {e}") from e
@@ -229,7 +236,7 @@ def receive(
         for b, idx in enumerate(buckets(offer.tensors, offer.bucket_bytes)):
             size = sum(offer.tensors[i].nbytes for i in idx)
             flat = torch.empty(size, dtype=torch.uint8, device=device)
-            _broadcast(group, flat, offer.timeout_s)
+            _broadcast(group, flat, offer.timeout_s, offer.backend)
             at = 0
             for i in idx:
                 t = offer.tensors[i]

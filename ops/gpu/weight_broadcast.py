@@ -28,17 +28,17 @@ Backends (``--backend``; ``auto`` is ``nccl`` on CUDA, ``gloo`` on the CPU):
   device ("Duplicate GPU detected": it tells devices apart by host and bus id), so each side
   runs as a host of its own (``NCCL_HOSTID``: the engine's processes are started with one, this
   process has another) and NCCL carries the broadcast over its socket transport on loopback
-  (``NCCL_SOCKET_IFNAME=lo``, InfiniBand off). That is real NCCL into vLLM, at the speed of
-  its network path, not of a GPU-to-GPU copy: a lower bound for NCCL between two GPUs. A job
-  sets no ``NCCL_HOSTID``: its trainer ranks and engines hold GPUs of their own (Ray
-  placement), so NCCL sees distinct devices.
+  (``NCCL_SOCKET_IFNAME=lo``, ``NCCL_NET=Socket``, InfiniBand and multi-node NVLink off).
+  That is real NCCL into vLLM, at the speed of its network path, not of a GPU-to-GPU copy: a
+  lower bound for NCCL between two GPUs. A job sets no ``NCCL_HOSTID``: its trainer ranks and
+  engines hold GPUs of their own (Ray placement), so NCCL sees distinct devices.
 - ``gloo``: each bucket is copied to host memory, broadcast over TCP and received into host
   staging memory by vLLM's worker, whose load copies it onto its device (the trainer's tensors
   on GPU 0, beside the engine's, on a GPU machine).
 
 Sizes: tiny (hidden 128, 2 layers, 0.6M parameters), 100m (768 x 12, about 0.1B), 1b
-(2048 x 16, about 1B). ``--deadline-s`` (default 420 s) skips the sizes not yet started once
-it has passed, so a run stops well inside 10 minutes.
+(2048 x 16, about 1B). ``--deadline-s`` (default 300 s) skips the sizes not yet started once
+it has passed, leaving the last size (1b by default) the rest of a 10-minute window.
 
 Usage: python ops/gpu/weight_broadcast.py [--device cuda|cpu] [--backend auto|nccl|gloo]
        [--sizes tiny,100m,1b] [--repeats 3] [--bucket-mb 256] [--keep DIR]
@@ -130,7 +130,7 @@ def main() -> int:
     ap.add_argument("--timeout-s", type=float, default=60.0, help="each collective step's")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    ap.add_argument("--deadline-s", type=float, default=420.0)
+    ap.add_argument("--deadline-s", type=float, default=300.0)
     ap.add_argument("--keep", type=Path, default=None, help="build the models here and keep them")
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -157,6 +157,8 @@ def main() -> int:
         os.environ["NCCL_HOSTID"] = TRAINER_HOST_ID
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_IB_DISABLE", "1")
+        os.environ.setdefault("NCCL_NET", "Socket")  # not a network plugin's transport
+        os.environ.setdefault("NCCL_MNNVL_ENABLE", "0")  # two "hosts", no multi-node NVLink
     # vLLM's processes import the worker extension by name: make the checkout importable
     # there; and they must be spawned, since this process holds CUDA tensors before each start.
     os.environ["PYTHONPATH"] = os.pathsep.join(
