@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator import procfs
 from orchestrator.buffer import timings
 
 if TYPE_CHECKING:
@@ -26,14 +27,8 @@ def postgres_cpu_s(pgdata: Path) -> tuple[float, int]:
     except (OSError, ValueError, IndexError):
         return 0.0, 0
     total, children = 0.0, 0
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        pid, ppid = int(d.name), int(fields[1])
+    for proc in procfs.processes():
+        pid, ppid, fields = proc.pid, proc.ppid, proc.fields
         if pid == pm:
             total += sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
         elif ppid == pm:

@@ -35,6 +35,7 @@ from typing import Any
 
 import psycopg
 
+from orchestrator import procfs
 from orchestrator.errors import DatabaseUnavailableError
 
 SYSTEM_USER = "embedded_postgres"
@@ -327,11 +328,8 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in {"Z", "X"}
+    proc = procfs.stat(pid)
+    return proc is None or not proc.zombie  # no /proc entry to read: os.kill said it exists
 
 
 def _ensure_system_user(name: str) -> pwd.struct_passwd:

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator import procfs
 from orchestrator.buffer.invariants import check_invariants
 from orchestrator.db.engine import Database
 from orchestrator.errors import ConflictError, UserError
@@ -425,17 +426,15 @@ def ray_node_processes(node_id: str) -> list[tuple[int, str]]:
     flags = (f"--node_id={node_id}", f"--node-id={node_id}")
     args: dict[int, list[str]] = {}
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    for proc in procfs.processes():
+        if proc.pid == os.getpid():
             continue
-        pid = int(entry.name)
         try:
-            args[pid] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            # the parent pid is the second field after the command name, which is in parens
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
+            cmdline = (procfs.PROC / str(proc.pid) / "cmdline").read_bytes()
+        except OSError:  # ended meanwhile
             continue
-        children.setdefault(ppid, []).append(pid)
+        args[proc.pid] = cmdline.decode(errors="replace").split("\0")
+        children.setdefault(proc.ppid, []).append(proc.pid)
     found: dict[int, str] = {}
     for pid, argv in args.items():
         if any(a in flags for a in argv):

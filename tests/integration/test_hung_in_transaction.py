@@ -22,6 +22,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import OperationalError
 
+from orchestrator import procfs
 from orchestrator.buffer.service import DeadWorker
 from orchestrator.db.engine import Database
 from orchestrator.services.drills import Drills
@@ -48,8 +49,8 @@ with db.transaction() as tx:
 
 
 def _stopped(pid: int) -> bool:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0] == "T"
+    proc = procfs.stat(pid)
+    return proc is not None and proc.state == "T"
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.procfs import alive, children_of
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,27 +54,6 @@ OWNER = textwrap.dedent(
 )
 
 
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rpartition(")")[2].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
 @pytest.mark.parametrize("layout", ["uni", "mp"])
 def test_the_watch_spares_a_live_owner_and_ends_the_engine_when_it_dies(
     layout: str, tmp_path: Path
@@ -88,12 +68,12 @@ def test_the_watch_spares_a_live_owner_and_ends_the_engine_when_it_dies(
     try:
         wait_for("the watch to start", report.exists, 60)
         core, worker = json.loads(report.read_text())
-        (started,) = children(owner.pid)
+        (started,) = children_of(owner.pid)
         assert core == started, "the EngineCore is the owner's child"
         if layout == "uni":
             assert worker == core, "the worker runs inside the EngineCore"
         else:
-            assert children(core) == [worker], "the worker is the EngineCore's child"
+            assert children_of(core) == [worker], "the worker is the EngineCore's child"
         # a live owner is left alone (the old watch took the owner for the EngineCore and, its
         # parent not being the owner, killed it within one interval)
         with pytest.raises(subprocess.TimeoutExpired):
@@ -109,5 +89,5 @@ def test_the_watch_spares_a_live_owner_and_ends_the_engine_when_it_dies(
     finally:
         if owner.poll() is None:
             owner.kill()
-        for pid in children(owner.pid):
+        for pid in children_of(owner.pid):
             os.kill(pid, signal.SIGKILL)

@@ -118,7 +118,8 @@ def test_a_failed_load_serves_nothing_until_a_later_version_loads(
 def test_a_dead_engine_core_is_an_engine_failure_and_leaves_no_process(
     vllm_engine: Any,
 ) -> None:
-    from workers.rollout.engines.vllm import _alive, all_engine_processes
+    from orchestrator.procfs import alive
+    from workers.rollout.engines.vllm import all_engine_processes
 
     procs = set(vllm_engine.engine_pids())
     core = [vllm_engine.processes["engine_core"]]
@@ -138,9 +139,9 @@ def test_a_dead_engine_core_is_an_engine_failure_and_leaves_no_process(
         vllm_engine.generate([GenerationRequest([1, 2], 2, 1.0)])
     vllm_engine.close()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(map(_alive, procs)):
+    while time.monotonic() < deadline and any(map(alive, procs)):
         time.sleep(0.2)
-    assert not any(map(_alive, procs))
+    assert not any(map(alive, procs))
 
 
 def test_an_engine_core_that_dies_during_a_weight_load_ends_the_load_at_once(

@@ -16,11 +16,12 @@ import sqlalchemy as sa
 
 from orchestrator.buffer.invariants import check_invariants
 from orchestrator.db.engine import Database
+from orchestrator.procfs import alive
 from orchestrator.services.drills import Drills
 from tests.chaos.test_faults import _config, _driver
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support.waiting import wait_for
-from workers.rollout.engines.vllm import _alive, engine_processes
+from workers.rollout.engines.vllm import engine_processes
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -97,14 +98,14 @@ def test_a_job_with_a_vllm_node_survives_engine_death_hang_and_actor_loss(
             "AND status = 'alive' ORDER BY id DESC LIMIT 1",
         )
         theirs = {int(recorded["engine_core"]), *recorded["engine_workers"]}
-        assert len(theirs) >= 2 and all(_alive(p) for p in theirs), (
+        assert len(theirs) >= 2 and all(alive(p) for p in theirs), (
             recorded,
             engine_processes(_rollout_pid(engine)),
         )  # EngineCore and its worker
         lost = drills.kill_rollout(1, "KILL")[0]
         print("kill-rollout --signal KILL:", json.dumps(lost.to_json()))
         assert lost.passed, lost.to_json()
-        wait_for("the killed actor's vLLM processes gone", lambda: not any(map(_alive, theirs)), 30)
+        wait_for("the killed actor's vLLM processes gone", lambda: not any(map(alive, theirs)), 30)
         before = scalar(engine, "SELECT max(step) FROM train_steps")
         wait_for(
             "training goes on", lambda: scalar(engine, "SELECT max(step) FROM train_steps") > before

@@ -17,10 +17,11 @@ import sqlalchemy as sa
 from orchestrator.buffer.service import Buffer
 from orchestrator.config import BufferConfig, VLLMEngineConfig
 from orchestrator.db.engine import Database
+from orchestrator.procfs import alive
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support.waiting import wait_for
 from workers.rollout.agent import Limits
-from workers.rollout.engines.vllm import _alive, engine_processes
+from workers.rollout.engines.vllm import engine_processes
 from workers.rollout.node import NodeConfig, rollout_actor
 
 pytestmark = pytest.mark.timeout(600)
@@ -73,7 +74,7 @@ def test_a_vllm_node_survives_a_failed_load_and_gives_back_a_dead_engines_leases
     recorded = scalar(engine, "SELECT info->'engine_processes' FROM workers")
     core = int(recorded["engine_core"])
     mine = {core, *recorded["engine_workers"]}
-    assert all(_alive(p) for p in mine), (recorded, engine_processes(actor_pid))
+    assert all(alive(p) for p in mine), (recorded, engine_processes(actor_pid))
 
     # 1. a corrupt version: vLLM refuses it, the node serves nothing and claims nothing
     corrupt = tmp_path / "weights" / "v000001"
@@ -128,4 +129,4 @@ def test_a_vllm_node_survives_a_failed_load_and_gives_back_a_dead_engines_leases
 
     # 4. the actor SIGKILLed: no vLLM process of it is left
     os.kill(actor_pid, signal.SIGKILL)
-    wait_for("no vLLM process left", lambda: not any(_alive(p) for p in mine), 30)
+    wait_for("no vLLM process left", lambda: not any(alive(p) for p in mine), 30)

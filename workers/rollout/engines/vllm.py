@@ -76,6 +76,7 @@ from collections.abc import AsyncIterator, Collection, Coroutine, Mapping, Seque
 from pathlib import Path
 from typing import Any, TypeVar
 
+from orchestrator import procfs
 from orchestrator.config import VLLMEngineConfig
 from workers.rollout.engines.base import (
     EngineFailure,
@@ -244,7 +245,7 @@ class RollcallWorkerExtension:
         def watch() -> None:
             while True:
                 time.sleep(interval_s)
-                if _parent_of(core) != owner_pid:
+                if procfs.parent_of(core) != owner_pid:
                     if core != me:
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(core, signal.SIGKILL)
@@ -394,7 +395,7 @@ class VLLMEngine:
     def engine_pids(self) -> list[int]:
         """The pids of vLLM's processes (EngineCore, its workers) that are still alive."""
         pids = [self.processes.get("engine_core"), *self.processes.get("engine_workers", [])]
-        return [int(pid) for pid in pids if pid and _alive(int(pid))]
+        return [int(pid) for pid in pids if pid and procfs.alive(int(pid))]
 
     def close(self) -> None:
         if self._closed:
@@ -611,32 +612,16 @@ def _check_cpu_head_size(model_dir: Path) -> None:
         )
 
 
-def _parent_of(pid: int) -> int | None:
-    try:  # the parent pid is the second field after the command name, which is in parens
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def engine_processes(root: int) -> list[tuple[int, str]]:
     """vLLM's processes (``VLLM::EngineCore``, ``VLLM::Worker``...) descending from ``root``,
     with their names, not counting zombies. Linux (``/proc``)."""
     children: dict[int, list[int]] = {}
     names: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for proc in procfs.processes():
+        if proc.zombie:
             continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        head, _, rest = stat.rpartition(")")
-        fields = rest.split()
-        if len(fields) < 2 or fields[0] == "Z":
-            continue
-        pid = int(entry.name)
-        names[pid] = head.split("(", 1)[1]
-        children.setdefault(int(fields[1]), []).append(pid)
+        names[proc.pid] = proc.name
+        children.setdefault(proc.ppid, []).append(proc.pid)
     found, todo = [], [root]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -648,19 +633,9 @@ def engine_processes(root: int) -> list[tuple[int, str]]:
 
 def all_engine_processes() -> list[tuple[int, str]]:
     """Every live (not zombie) vLLM process on this machine, with its name: orphan checks."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        head, _, rest = stat.rpartition(")")
-        name = head.split("(", 1)[1]
-        if name.startswith("VLLM") and rest.split()[0] != "Z":
-            out.append((int(entry.name), name))
-    return sorted(out)
+    return sorted(
+        (p.pid, p.name) for p in procfs.processes() if p.name.startswith("VLLM") and not p.zombie
+    )
 
 
 def kill_engine_processes(pids: Collection[int] = ()) -> None:
@@ -668,15 +643,6 @@ def kill_engine_processes(pids: Collection[int] = ()) -> None:
     for pid in {*pids, *(p for p, _ in engine_processes(os.getpid()))}:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    """A live process (not a zombie) of that pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def _plain(step: Mapping[int, Any]) -> dict[int, float]:
