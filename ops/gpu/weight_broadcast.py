@@ -107,16 +107,20 @@ def trainer_device(where: str) -> str:
 
 @contextlib.contextmanager
 def nccl_host(host_id: str | None) -> Iterator[None]:
-    """``NCCL_HOSTID`` set to ``host_id`` inside (processes started there inherit it), this
-    process's own value outside; nothing when ``host_id`` is None."""
+    """``NCCL_HOSTID`` set to ``host_id`` inside (processes started there inherit it), what it
+    was before outside; nothing when ``host_id`` is None."""
     if host_id is None:
         yield
         return
+    before = os.environ.get("NCCL_HOSTID")
     os.environ["NCCL_HOSTID"] = host_id
     try:
         yield
     finally:
-        os.environ["NCCL_HOSTID"] = TRAINER_HOST_ID
+        if before is None:
+            del os.environ["NCCL_HOSTID"]
+        else:
+            os.environ["NCCL_HOSTID"] = before
 
 
 def main() -> int:

@@ -50,7 +50,8 @@ with db.transaction() as tx:
 
 def _stopped(pid: int) -> bool:
     proc = procfs.stat(pid)
-    return proc is not None and proc.state == "T"
+    assert proc is not None and not proc.zombie, "the hung node exited"
+    return proc.state == "T"
 
 
 @pytest.fixture

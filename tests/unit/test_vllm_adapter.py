@@ -73,3 +73,16 @@ def test_a_load_waits_for_generations_in_flight_and_holds_back_later_ones() -> N
 
     asyncio.run(scenario())
     assert events == ["a in", "b in", "a out", "b out", "load in", "load out", "c in", "c out"]
+
+
+@pytest.mark.parametrize(("device", "gpus"), [("cuda", 1), ("cuda", 2), ("cpu", 1)])
+def test_the_worker_is_always_a_process_of_its_own(device: str, gpus: int) -> None:
+    """On one GPU vLLM would run the worker (and the watchdog with it) inside the EngineCore,
+    where a hung EngineCore would stop the watchdog too and outlive its node."""
+    from orchestrator.config import VLLMEngineConfig
+    from workers.rollout.engines.vllm import engine_kwargs
+
+    config = VLLMEngineConfig(device=device, tensor_parallel_size=gpus)
+    kwargs = engine_kwargs("/m", config, seed=3)
+    assert kwargs["distributed_executor_backend"] == "mp"
+    assert (kwargs["model"], kwargs["seed"], kwargs["tensor_parallel_size"]) == ("/m", 3, gpus)

@@ -2,16 +2,17 @@
 process layouts vLLM uses, as a real process tree (plain Python processes stand in for vLLM's:
 the layouts are what matters, and vLLM's CUDA layout cannot run here):
 
-- ``mp`` executor (vLLM's choice on the CPU and with TP > 1): owner -> EngineCore -> worker;
-  the watch runs in the worker.
-- ``uni`` executor (vLLM's default for one GPU): owner -> EngineCore, and the worker, with the
-  watch, runs inside the EngineCore.
+- ``mp`` executor (what the engine always asks vLLM for): owner -> EngineCore -> worker; the
+  watch runs in the worker.
+- ``uni`` executor (vLLM's default for one GPU, should it run anyway): owner -> EngineCore,
+  and the worker, with the watch, runs inside the EngineCore.
 
 In each, the watch must leave the owner alone while it lives and end the EngineCore (and the
 worker) once the owner dies."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -63,7 +64,9 @@ def test_the_watch_spares_a_live_owner_and_ends_the_engine_when_it_dies(
     report = tmp_path / "watched.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     owner = subprocess.Popen(
-        [sys.executable, "-c", OWNER, str(script), layout, str(report)], env=env
+        [sys.executable, "-c", OWNER, str(script), layout, str(report)],
+        env=env,
+        start_new_session=True,  # its own process group: the clean-up reaches every process
     )
     try:
         wait_for("the watch to start", report.exists, 60)
@@ -87,7 +90,6 @@ def test_the_watch_spares_a_live_owner_and_ends_the_engine_when_it_dies(
             30,
         )
     finally:
-        if owner.poll() is None:
-            owner.kill()
-        for pid in children_of(owner.pid):
-            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(owner.pid, signal.SIGKILL)
+        owner.wait()

@@ -34,4 +34,4 @@ def test_the_weight_broadcast_check_passes_on_cpu() -> None:
     (row,) = report["sizes"]
     assert row["size"] == "tiny" and row["buckets"] > 1, row  # several buckets reassembled
     assert row["max_abs_logprob_diff"] == 0.0, row
-    assert 0 < row["collective_total_s"] <= row["collective_total_s_max"], row
+    assert row["collective_total_s"] > 0 and row["files_load_s"] > 0, row

@@ -26,8 +26,8 @@ What it owns and guarantees:
   Measured on CPU: float32 within 1e-5 of the trainer's own recomputation
   (``ops/gpu/vllm_smoke.py --device cpu``).
 - Every call into the engine has a timeout (``start_timeout_s``, ``request_timeout_s``,
-  ``load_timeout_s``). vLLM's EngineCore is a separate process (with a worker process under
-  it on the CPU and with several GPUs; on one GPU vLLM's ``uni`` executor runs the worker
+  ``load_timeout_s``). vLLM's EngineCore is a separate process with a worker process under it
+  (the ``mp`` executor, asked for also on one GPU, where vLLM's default would run the worker
   inside the EngineCore): when it dies (``EngineDeadError``, or AsyncLLM ``errored``) or a call
   times out, the engine is dead for good and every call raises ``EngineFailure`` (fatal);
   ``failure()`` says so without blocking, for the node's heartbeat. The rollout node then
@@ -233,14 +233,21 @@ class RollcallWorkerExtension:
     def rollcall_watch(self, owner_pid: int, interval_s: float = 0.5) -> tuple[int, int]:
         """Start the watchdog: once the EngineCore is no longer a child of ``owner_pid`` (the
         process that started vLLM died), kill the EngineCore and exit. The worker is a process
-        of its own under the EngineCore (vLLM's ``mp`` executor: on the CPU, and with more
-        than one GPU) or the EngineCore itself (``uni``, vLLM's default for one GPU), whose
+        of its own under the EngineCore (the ``mp`` executor, which ``engine_kwargs`` always
+        asks for) or, should vLLM run its ``uni`` executor, the EngineCore itself, whose
         parent is then the owner. Returns (the EngineCore's pid, this worker's pid); both the
         owner's when vLLM runs inside it (nothing to watch)."""
-        me = os.getpid()
+        me, parent = os.getpid(), os.getppid()
         if me == owner_pid:
             return me, me
-        core = me if os.getppid() == owner_pid else os.getppid()
+        if parent == owner_pid:
+            core = me  # uni: this is the EngineCore
+        else:
+            up = procfs.stat(parent)
+            # mp: the parent is the EngineCore, a child of the owner unless the owner is
+            # already gone (then the parent is still vLLM's process, not whoever adopted it)
+            mp = up is not None and (up.ppid == owner_pid or up.name.startswith("VLLM"))
+            core = parent if mp else me
 
         def watch() -> None:
             while True:
@@ -284,29 +291,7 @@ class VLLMEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.eos_id = int(self.tokenizer.eos_token_id)
-        kwargs: dict[str, Any] = {
-            "model": str(model_dir),
-            "seed": seed,
-            "dtype": config.dtype,
-            "tensor_parallel_size": config.tensor_parallel_size,
-            "gpu_memory_utilization": config.gpu_memory_utilization,
-            "enable_prefix_caching": config.enable_prefix_caching,
-            "enable_chunked_prefill": config.enable_chunked_prefill,
-            # on CPU always eager: compiling for CPU adds minutes to every start
-            "enforce_eager": config.enforce_eager or config.device == "cpu",
-            "logprobs_mode": "processed_logprobs",
-            "generation_config": "vllm",
-            "worker_extension_cls": f"{__name__}.{RollcallWorkerExtension.__name__}",
-            "disable_log_stats": True,
-        }
-        if config.tensor_parallel_size > 1:
-            # the node's GPUs are its reserved slot's: inside a placement group vLLM would
-            # pick its Ray executor and ask Ray for more; its workers run as processes
-            kwargs["distributed_executor_backend"] = "mp"
-        for name in ("max_model_len", "max_num_seqs"):  # unset: vLLM's defaults
-            if getattr(config, name) is not None:
-                kwargs[name] = getattr(config, name)
-        args = AsyncEngineArgs(**kwargs)
+        args = AsyncEngineArgs(**engine_kwargs(model_dir, config, seed))
         self.processes: dict[str, Any] = {}  # set once started (rollcall_watch)
         self._version = version
         self._tokens = 0
@@ -580,6 +565,35 @@ class VLLMEngine:
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+def engine_kwargs(model_dir: str | Path, config: VLLMEngineConfig, seed: int) -> dict[str, Any]:
+    """vLLM's engine arguments for ``config``."""
+    kwargs: dict[str, Any] = {
+        "model": str(model_dir),
+        "seed": seed,
+        "dtype": config.dtype,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "enable_chunked_prefill": config.enable_chunked_prefill,
+        # on CPU always eager: compiling for CPU adds minutes to every start
+        "enforce_eager": config.enforce_eager or config.device == "cpu",
+        "logprobs_mode": "processed_logprobs",
+        "generation_config": "vllm",
+        "worker_extension_cls": f"{__name__}.{RollcallWorkerExtension.__name__}",
+        "disable_log_stats": True,
+        # Always the multiprocess executor: the worker (and its watchdog) is a process of its
+        # own under the EngineCore, as on the CPU. On one GPU vLLM's default (``uni``) runs the
+        # worker inside the EngineCore, where a hung EngineCore would stop the watchdog too and
+        # outlive its node. With several GPUs, inside a placement group vLLM would pick its Ray
+        # executor and ask Ray for more than the node's reserved slot.
+        "distributed_executor_backend": "mp",
+    }
+    for name in ("max_model_len", "max_num_seqs"):  # unset: vLLM's defaults
+        if getattr(config, name) is not None:
+            kwargs[name] = getattr(config, name)
+    return kwargs
 
 
 def _check_platform(device: str) -> None:
