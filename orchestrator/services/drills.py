@@ -56,6 +56,10 @@ class DrillReport:
     in_flight_samples: int = 0
     checkpointed_turns: int = 0
     resumed_turns: int = 0
+    # in-flight samples that were not resumed and are not lost: their episode expired as stale
+    # during the recovery (its prompt requeued) or was quarantined
+    expired_samples: int = 0
+    quarantined_samples: int = 0
     lost: int = 0
     duplicated: int = 0
     # agent tasks (docs/agents.md): calls of the in-flight samples recorded in PostgreSQL at the
@@ -380,6 +384,10 @@ class Drills:
                 continue
             if cur["episode_status"] in ("expired", "quarantined") or cur["status"] == "expired":
                 stale += s.get("agent_calls") or 0 if s["status"] == "in_progress" else 0
+                if cur["episode_status"] == "quarantined":
+                    r.quarantined_samples += 1
+                else:
+                    r.expired_samples += 1
                 continue  # counted on the task, its prompt requeued or shown to operators
             r.agent_calls_replayed += cur.get("agent_replayed") or 0
             if (cur["num_tokens"] or 0) < (s["num_tokens"] or 0):

@@ -47,6 +47,10 @@ def test_a_job_with_a_vllm_node_survives_engine_death_hang_and_actor_loss(
         nodes=1,
         engine={"kind": "vllm", "device": "cpu", "dtype": "float32"},
         start_timeout_s=300.0,
+        # above the steps the trainer can take from buffered groups while the node restarts
+        # (46 s under CI's load): with 2 the in-flight samples expired as stale and none was
+        # left to show its resume (CI, 2026-12-05: resumed 0 of 4 turns, lost 0)
+        max_staleness=8,
     )
     driver = _driver(cfg, db, vllm_tiny_dir, tmp_path)
     driver.setup()
@@ -80,6 +84,7 @@ def test_a_job_with_a_vllm_node_survives_engine_death_hang_and_actor_loss(
         print("kill-engine --signal KILL:", json.dumps(kill))
         assert kill["passed"] and kill["lost"] == 0 and kill["duplicated"] == 0, kill
         assert kill["detection_s"] < 10, kill  # the node itself finds its engine dead
+        assert (kill["expired_samples"], kill["quarantined_samples"]) == (0, 0), kill
         assert kill["resumed_turns"] == kill["checkpointed_turns"], kill  # none regenerated
         assert scalar(engine, "SELECT count(*) FROM events WHERE kind = 'worker.engine_failed'")
 
