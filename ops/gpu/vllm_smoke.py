@@ -112,8 +112,6 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import vllm
     from transformers import AutoModelForCausalLM
 
-    from orchestrator.config import VLLMEngineConfig
-    from workers.rollout.engines.vllm import VLLMEngine
     from workers.tiny_model import build_model, build_tokenizer
     from workers.trainer.weights import publish
 
@@ -132,14 +130,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     )
     tokenizer.save_pretrained(model_dir)
     t0 = time.perf_counter()
-    config = VLLMEngineConfig(
-        device=args.device,
-        dtype=args.dtype,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=2048,
-        enforce_eager=True,
-    )
-    engine = VLLMEngine(model_dir, config, seed=0)
+    engine = start_engine(args, model_dir)
     figures["engine_start_s"] = round(time.perf_counter() - t0, 1)
     check(engine.batches_itself, "the engine batches itself (the node skips BatchingEngine)")
     tol = TOLERANCE[args.dtype]
@@ -233,6 +224,22 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "failures": failures,
         "figures": figures,
     }
+
+
+def start_engine(args: argparse.Namespace, model_dir: Path, max_model_len: int = 2048) -> Any:
+    """``VLLMEngine`` on ``model_dir`` as the GPU checks run it: eager, on ``args.device`` in
+    ``args.dtype`` with ``args.gpu_memory_utilization``."""
+    from orchestrator.config import VLLMEngineConfig
+    from workers.rollout.engines.vllm import VLLMEngine
+
+    config = VLLMEngineConfig(
+        device=args.device,
+        dtype=args.dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+    )
+    return VLLMEngine(model_dir, config, seed=0)
 
 
 def agent_loops(engine: Any, loops: int) -> list[Any]:

@@ -66,7 +66,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from ops.gpu.vllm_smoke import absent  # noqa: E402
+from ops.gpu.vllm_smoke import absent, start_engine  # noqa: E402
 
 # name -> (hidden, layers, heads); key/value heads are half the heads (workers.tiny_model)
 SIZES = {"tiny": (128, 2, 4), "100m": (768, 12, 12), "1b": (2048, 16, 16)}
@@ -250,9 +250,7 @@ def measure(
 ) -> dict[str, Any]:
     import torch
 
-    from orchestrator.config import VLLMEngineConfig
     from workers import collective
-    from workers.rollout.engines.vllm import VLLMEngine
     from workers.tiny_model import build_model, build_tokenizer
     from workers.trainer.weights import publish
 
@@ -278,15 +276,8 @@ def measure(
     nbytes = sum(t.numel() * t.element_size() for t in sets[0].values())
 
     t0 = time.perf_counter()
-    config = VLLMEngineConfig(
-        device=args.device,
-        dtype=args.dtype,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_model_len=1024,
-        enforce_eager=True,
-    )
     with nccl_host(ENGINE_HOST_ID if where == "shared" else None):
-        engine = VLLMEngine(model_dir, config, seed=0)
+        engine = start_engine(args, model_dir, max_model_len=1024)
     row: dict[str, Any] = {
         "size": size,
         "parameters": params,
