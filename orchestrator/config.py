@@ -153,6 +153,11 @@ class BufferConfig(StrictModel):
     claim_window_s: Seconds = Field(
         default=120.0, description="time constant of the recent-claims score (fair share)"
     )
+    retry_backoff_s: SecondsOrZero = Field(
+        default=2.0,
+        description="an episode whose user code failed is claimable again after this many "
+        "seconds times 2^(attempt-1), at most 300 (twice that on the node it failed on)",
+    )
     retry_window_s: SecondsOrZero | None = Field(
         default=None,
         description="how long a database operation is retried during an outage (< lease_s); "
@@ -439,7 +444,18 @@ class RolloutConfig(StrictModel):
     breaker_failures: Annotated[int, b.ATTEMPTS.field()] = Field(
         default=3,
         description="episodes a node fails in a row before it stops claiming, gives its "
-        "leases back (not counted) and is restarted",
+        "leases back (not counted) and is restarted; failures of user code (an agent, a tool, "
+        "a reward) are the input's, never counted here",
+    )
+    failing_task_window: Annotated[int, b.EPISODES.field()] = Field(
+        default=8,
+        description="a task whose user code failed on more than half of the last this many "
+        "episodes a node ran is paused (rollcall task resume); 0: never (a wrong return type "
+        "still pauses at once)",
+    )
+    failing_task_min_episodes: Annotated[int, b.ATTEMPTS.field()] = Field(
+        default=4,
+        description="episodes a node must have seen of a task before it may pause it",
     )
 
     @model_validator(mode="after")

@@ -116,6 +116,7 @@ class TaskView:
     updated_at: datetime
     retired_at: datetime | None
     counters: dict[str, int] = field(default_factory=dict)
+    status_reason: str | None = None  # why it is paused, when the user-code guard paused it
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -134,7 +135,16 @@ class TaskView:
             "updated_at": self.updated_at.isoformat(),
             "retired_at": self.retired_at.isoformat() if self.retired_at else None,
             "counters": self.counters,
+            "status_reason": self.status_reason,
         }
+
+
+def paused_sentence(task: str, job: str, reason: str) -> str:
+    """What an operator reads about a task the user-code guard paused: why, and how to go on."""
+    return (
+        f"task {task!r} paused: {reason}; fix the code, then `rollcall task resume {task} "
+        f"--job {job}`"
+    )
 
 
 @dataclass(frozen=True)

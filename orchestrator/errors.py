@@ -43,6 +43,13 @@ class JobFailedError(UserError):
     exit_code = 7
 
 
+class TasksPausedError(UserError):
+    """Every task of the job is paused, at least one by the user-code guard (its code failed on
+    most inputs): nothing can fill a batch. The job stops (resumable) with the reasons."""
+
+    exit_code = 8
+
+
 class StaleLeaseError(Exception):
     """A write by a worker whose lease on the episode has moved on (fencing). Nothing of the
     write was applied; the rejection is counted on the task (``fenced_rejections``)."""

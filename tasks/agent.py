@@ -280,6 +280,11 @@ def prompt_rows(source: PromptSource) -> tuple[list[Any], list[Any]]:
 # -- the plugin -------------------------------------------------------------------------------
 
 
+# How long one run of an agent function may take (its calls included) before it is cancelled
+# as its input's fault: generous, for agents whose tools or model calls take minutes.
+DEFAULT_EPISODE_TIMEOUT_S = 1800.0
+
+
 class AgentSpec(TaskSpec):
     agent: str = Field(
         description="the agent function: 'package.module:function' or 'path/to/file.py:function'"
@@ -294,6 +299,14 @@ class AgentSpec(TaskSpec):
         description="default timeout of ctx.tool and ctx.step calls (with the heartbeat "
         "timeout, below control_plane.progress_timeout_s: a node whose loops all wait on tools "
         "makes no progress)",
+    )
+
+    episode_timeout_s: float = Field(
+        default=DEFAULT_EPISODE_TIMEOUT_S,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="seconds one run of the agent function may take; past it the run is "
+        "cancelled and fails as its input's fault (retried, quarantined after the attempts)",
     )
 
     @field_validator("agent")

@@ -13,6 +13,7 @@ batch, and two evaluations of one checkpoint agree.
 
 from __future__ import annotations
 
+import logging
 import queue
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tasks import registry
+from workers.rollout.usercode import UserCodeError
+
+log = logging.getLogger(__name__)
 
 
 def episode_seed(seed: int, task: str, index: int) -> int:
@@ -120,6 +124,9 @@ class Evaluator:
                     self.chat,
                 )
                 return task.name, loop.run().reward
+            except UserCodeError as e:  # the prompt's fault: it scores 0, the rest go on
+                log.warning("held-out episode %s of %s: %s (%s)", i, task.name, e, e.location)
+                return task.name, 0.0
             finally:
                 self._runners.put(runner)
 

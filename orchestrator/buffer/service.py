@@ -29,6 +29,7 @@ claims, or a finished group none of whose samples generated a token).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -47,16 +48,19 @@ from orchestrator.buffer.types import (
 )
 from orchestrator.config import BufferConfig
 from orchestrator.db.engine import Database, Tx
-from orchestrator.db.repos.batches import TaskQuotaRow
+from orchestrator.db.repos.batches import TaskQuotaRow, ungenerated_cause
 from orchestrator.db.repos.episodes import LeasedRow
 from orchestrator.db.repos.workers import WorkerView
 from orchestrator.db.retry import CAP_S, Outage, OutageTracker, retry_transient
 from orchestrator.domain import (
     BatchTrajectory,
+    EventView,
     SampleState,
+    TaskView,
     TrajectoryPayload,
     WorkerRole,
     WorkerStatus,
+    paused_sentence,
 )
 from orchestrator.errors import ConflictError, DriverFencedError, StaleLeaseError
 from orchestrator.quotas import SeedInput, allocate_batch, claim_order, seed_counts
@@ -70,6 +74,8 @@ _MOVED_ON = "the lease has moved on (requeued or expired)"
 # Steps whose payloads one retention pass drops at most (a job that turns retention on late
 # catches up over several passes instead of one long transaction).
 RETENTION_STEPS_PER_PASS = 20
+# The longest an episode whose user code failed waits before it is claimable again.
+MAX_RETRY_BACKOFF_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +85,15 @@ class StepCommit:
     groups: int
     trajectories: int
     already_committed: bool
+
+
+@dataclass(frozen=True)
+class UserFailure:
+    """What became of an episode whose user code failed (``Buffer.fail_user_code``)."""
+
+    quarantined: bool
+    attempt: int
+    retry_in_s: float | None
 
 
 @dataclass(frozen=True)
@@ -221,7 +236,8 @@ class Buffer:
             for w in tx.workers.lock_overdue(
                 self.job_id, heartbeat_timeout_s, progress_timeout_s, since=since
             ):
-                tx.workers.set_status(w["id"], WorkerStatus.DEAD)
+                why = f"declared dead by the control plane ({w['reason']})"
+                tx.workers.set_status(w["id"], WorkerStatus.DEAD, why)
                 swept = self._requeue(
                     tx,
                     tx.episodes.lock_worker_leases(w["id"]),
@@ -271,6 +287,26 @@ class Buffer:
 
     @timed
     @retry_transient
+    def events_after(self, after_id: int, kinds: tuple[str, ...]) -> list[EventView]:
+        """The job's events of ``kinds`` newer than ``after_id``, oldest first."""
+        with self.db.transaction() as tx:
+            return tx.events.after(self.job_id, after_id, kinds)
+
+    @timed
+    @retry_transient
+    def last_event_id(self) -> int:
+        with self.db.transaction() as tx:
+            return tx.events.last_id()
+
+    @timed
+    @retry_transient
+    def tasks(self) -> list[TaskView]:
+        """The job's tasks that are not retired."""
+        with self.db.transaction() as tx:
+            return tx.tasks.list(self.job_id, include_retired=False)
+
+    @timed
+    @retry_transient
     def event(self, kind: str, message: str, payload: dict[str, Any] | None = None) -> None:
         """Record a control-plane event for operators."""
         with self.db.transaction() as tx:
@@ -295,7 +331,7 @@ class Buffer:
         is not a poison input); the next claimer resumes from the checkpoints."""
         what = "engine failed" if kind == "worker.engine_failed" else "breaker tripped"
         with self.db.transaction() as tx:
-            tx.workers.set_status(worker_id, WorkerStatus.DEAD)
+            tx.workers.set_status(worker_id, WorkerStatus.DEAD, f"{what}: {reason}")
             rows = tx.episodes.lock_worker_leases(worker_id)
             result = self._requeue(tx, rows, f"{what}: {reason}", counted=False)
             tx.events.add(
@@ -468,7 +504,10 @@ class Buffer:
         reward: float,
         reward_info: dict[str, Any] | None = None,
     ) -> CommitResult:
-        """Commit a finished trajectory as ``ready`` with its reward (idempotent, fenced)."""
+        """Commit a finished trajectory as ``ready`` with its reward (idempotent, fenced). A
+        reward that is not a finite number is refused (``ValueError``): the rollout side checks
+        rewards where they are produced, as the input's fault, so this never happens."""
+        _check_finite(lease, sample_index, reward)
         return self._write_one(lease, sample_index, payload, reward, reward_info)
 
     @timed
@@ -479,6 +518,8 @@ class Buffer:
         samples: Sequence[tuple[int, TrajectoryPayload, float, dict[str, Any] | None]],
     ) -> CommitResult:
         """Commit several finished samples of one group in one transaction."""
+        for s in samples:
+            _check_finite(lease, s[0], s[2])
         return self._commit_group(lease, list(samples))
 
     @timed
@@ -493,6 +534,80 @@ class Buffer:
             if row is None:
                 raise StaleLeaseError(lease.episode_id, lease.epoch, "lease is no longer held")
             return self._requeue(tx, [row], f"released by worker: {error}", counted=counted)
+
+    @timed
+    @retry_transient
+    def fail_user_code(
+        self, lease: Lease, failure: dict[str, Any], *, backoff_s: float
+    ) -> UserFailure:
+        """User code failed on the episode's input (``workers.rollout.usercode``): the lease is
+        released as a counted attempt, and the episode is either quarantined (its attempts are
+        spent) or queued again after a backoff (``backoff_s * 2^(attempts-1)``, at most
+        ``MAX_RETRY_BACKOFF_S``), and twice that for the worker it failed on, so another node
+        tries it first. One ``episode.user_error`` event names the task, the prompt, the error,
+        where in the user's code it happened and its traceback (``failure``: the error's
+        payload, with ``task``, ``prompt_index``, ``sample`` and ``worker``)."""
+        self._stored.forget_episode(lease.episode_id)
+        with self.db.transaction() as tx:
+            row = tx.episodes.lock_lease(lease.episode_id, lease.epoch)
+            if row is None:
+                raise StaleLeaseError(lease.episode_id, lease.epoch, "lease is no longer held")
+            delay = min(MAX_RETRY_BACKOFF_S, backoff_s * 2 ** max(0, row.attempts - 1))
+            error = str(failure.get("error", ""))
+            where = failure.get("location")
+            reason = f"user code: {error}" + (f" ({where})" if where else "")
+            swept = self._requeue(tx, [row], reason)
+            quarantined = bool(swept.quarantined)
+            if not quarantined:
+                tx.episodes.set_retry(
+                    lease.episode_id, delay_s=delay, worker_id=lease.worker_id,
+                    worker_delay_s=2 * delay,
+                )  # fmt: skip
+            attempt = f"attempt {row.attempts} of {self.config.max_attempts}"
+            then = "quarantined" if quarantined else f"retried in {delay:.3g} s"
+            tx.events.add(
+                "episode.user_error",
+                ACTOR,
+                f"task {failure.get('task')}, episode {lease.episode_id} (prompt "
+                f"{failure.get('prompt_index')}): {error}"
+                + (f" at {where}" if where else "")
+                + f"; {attempt}, {then}",
+                job_id=self.job_id,
+                task_id=lease.task_id,
+                worker_id=lease.worker_id,
+                payload={
+                    **failure,
+                    "episode_id": lease.episode_id,
+                    "attempt": row.attempts,
+                    "max_attempts": self.config.max_attempts,
+                    "quarantined": quarantined,
+                    "retry_in_s": None if quarantined else delay,
+                },
+            )
+            return UserFailure(quarantined, row.attempts, None if quarantined else delay)
+
+    @timed
+    @retry_transient
+    def pause_task(self, task_id: int, reason: str, actor: str, payload: dict[str, Any]) -> bool:
+        """Pause an active or draining task (the user-code guard: its code fails on most
+        inputs), ``reason`` kept on the task (``rollcall status``, ``task show``), with a
+        ``task.paused`` event whose message says how to go on. False when the task was
+        neither active nor draining (nothing changed)."""
+        with self.db.transaction() as tx:
+            before = tx.tasks.pause_with_reason(task_id, reason)
+            if before is None:
+                return False
+            task = tx.tasks.get(task_id)
+            assert task is not None
+            tx.events.add(
+                "task.paused",
+                actor,
+                paused_sentence(task.name, task.job_name, reason),
+                job_id=self.job_id,
+                task_id=task_id,
+                payload={"from": before, "to": "paused", "reason": reason, **payload},
+            )
+            return True
 
     def _write_one(
         self,
@@ -638,6 +753,7 @@ class Buffer:
         for task_id, n in sorted(expired.items()):
             tx.episodes.bump_task_counter(task_id, "expired_groups", n)
         self._quarantine_ungenerated(tx)
+        self._quarantine_nonfinite(tx)
         return {names.get(t, str(t)): n for t, n in expired.items()}
 
     def _quarantine_ungenerated(self, tx: Tx) -> None:
@@ -650,17 +766,47 @@ class Buffer:
             tx.events.add(
                 "episode.quarantined",
                 ACTOR,
-                f"episode {r.id} quarantined: none of its samples generated a token (its "
-                f"prompt is {r.prompt_tokens} tokens, which reaches rollout.max_tokens); raise "
-                "rollout.max_tokens or shorten the task's prompts",
+                f"episode {r.id} quarantined: none of its samples generated a token "
+                f"({ungenerated_cause(r)}); raise rollout.max_tokens or shorten the task's "
+                "prompts",
                 job_id=self.job_id,
                 task_id=r.task_id,
                 payload={
                     "episode_id": r.id,
                     "reason": "no generated token",
                     "prompt_tokens": r.prompt_tokens,
+                    "stop_reason": r.stop_reason,
                 },
             )
+
+    def _quarantine_nonfinite(self, tx: Tx, step: int | None = None) -> bool:
+        """Finished groups with a NaN or infinite reward (stored before rewards were checked
+        where they are produced) are quarantined, never trained, each with an event; returns
+        whether one of them was reserved by ``step``, whose reservation is then released (the
+        step claims a new batch)."""
+        released = False
+        for r in tx.batches.quarantine_nonfinite_groups(self.job_id, reserved=step is not None):
+            tx.episodes.bump_task_counter(r.task_id, "quarantined_episodes")
+            values = ", ".join(str(v) for v in r.rewards)
+            tx.events.add(
+                "episode.quarantined",
+                ACTOR,
+                f"episode {r.id} (prompt {r.prompt_index}) quarantined: its rewards [{values}] "
+                "are not all finite numbers; it is never trained",
+                job_id=self.job_id,
+                task_id=r.task_id,
+                payload={
+                    "episode_id": r.id,
+                    "reason": "non-finite reward",
+                    "prompt_index": r.prompt_index,
+                    "rewards": [str(v) for v in r.rewards],
+                },
+            )
+            if r.claimed_step is not None and r.claimed_step == step:
+                released = True
+        if released and step is not None:
+            tx.batches.release_reservation(self.job_id, step)
+        return released
 
     @timed
     @retry_transient
@@ -677,6 +823,7 @@ class Buffer:
                     f"step {step} cannot be claimed: the job's policy version is "
                     f"{job.policy_version}, so the next step is {job.policy_version}"
                 )
+            self._quarantine_nonfinite(tx, step)
             reserved = tx.batches.reserved_groups(self.job_id, step)
             if reserved:
                 tx.batches.mark_claimed(self.job_id, step)
@@ -807,3 +954,11 @@ class Buffer:
             if weights_uri is not None:
                 tx.batches.publish_weights(self.job_id, version, weights_uri)
             return StepCommit(step, version, groups, trajectories, already_committed=False)
+
+
+def _check_finite(lease: Lease, sample_index: int, reward: float) -> None:
+    if not math.isfinite(reward):
+        raise ValueError(
+            f"episode {lease.episode_id}, sample {sample_index}: reward {reward} is not a finite "
+            "number and cannot be trained on"
+        )

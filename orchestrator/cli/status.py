@@ -96,6 +96,17 @@ def render_status(doc: dict[str, Any]) -> Any:
         )
     parts.append(Text(""))
     parts.append(tasks if doc["tasks"] else Text("tasks: none registered"))
+    for t in doc["tasks"]:
+        if t.get("paused"):
+            parts.append(Text(t["paused"]))
+    if doc.get("user_errors"):
+        errors = compact_table(col("n", right=True), "task", col("user code failed", flex=True))
+        for u in doc["user_errors"]:
+            where = f" at {u['location']}" if u["location"] else ""
+            errors.add_row(*one_line(str(u["count"]), ",".join(u["tasks"]), f"{u['error']}{where}"))
+        parts.append(Text(""))
+        parts.append(errors)
+        parts.append(Text(f"latest: {doc['user_errors'][0]['last']}"))
     parts.append(Text(""))
     parts.append(_nodes_table(doc["nodes"]) if doc["nodes"] else Text("workers: none yet"))
     parts.append(Text(""))

@@ -158,6 +158,9 @@ class Task(Base):
     created_at: Mapped[datetime] = _created()
     updated_at: Mapped[datetime] = _updated()
     retired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Why the task has its status, when not an operator's plain action (the user-code guard's
+    # sentence for a task it paused); cleared when the task is resumed.
+    status_reason: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (
         CheckConstraint("weight > 0", name="weight_positive"),
@@ -206,6 +209,8 @@ class Worker(Base):
     info: Mapped[dict[str, Any]] = mapped_column(
         JSONB, nullable=False, server_default=text("'{}'::jsonb")
     )
+    # Why it was declared dead (the sweep's reason, a tripped breaker, a failed engine).
+    status_reason: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (
         UniqueConstraint("job_id", "name", "incarnation"),
@@ -247,6 +252,11 @@ class Episode(Base):
     created_at: Mapped[datetime] = _created()
     updated_at: Mapped[datetime] = _updated()
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # User code failed on the episode's input: not claimable before ``retry_at`` (backoff), nor
+    # by the worker it failed on (``failed_worker``) before ``failed_worker_retry_at``.
+    retry_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    failed_worker: Mapped[int | None] = mapped_column(BigInteger)
+    failed_worker_retry_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     __table_args__ = (
         CheckConstraint("group_size >= 1", name="group_size_min"),

@@ -48,6 +48,7 @@ from orchestrator.errors import (
     DriverFencedError,
     JobFailedError,
     NotFoundError,
+    TasksPausedError,
     UserError,
 )
 from orchestrator.runner import raylog
@@ -57,6 +58,7 @@ from orchestrator.runner.lifecycle import JobLifecycle
 from orchestrator.runner.progress import Pace, Progress, Snapshot
 from orchestrator.runner.rundir import RunDir
 from orchestrator.runner.trainer_control import TrainerControl, is_trainer_failure
+from orchestrator.runner.usererrors import UserErrorReport
 
 if TYPE_CHECKING:
     from workers.rollout.node import NodeConfig
@@ -66,6 +68,8 @@ log = logging.getLogger(__name__)
 # as the batch lacked (LISTEN/NOTIFY), and at the latest after WAIT_POLL_S.
 WAIT_POLL_S = 0.25
 NODE_STOP_TIMEOUT_S = 60.0
+# How often the driver reads the nodes' new user-code failures (orchestrator/runner/usererrors)
+USER_ERRORS_INTERVAL_S = 1.0
 # How long a step's bookkeeping waits for the rollout nodes' reports (_node_metrics).
 NODE_REPORT_WAIT_S = 10.0
 # A control-plane run that starts late (a loaded machine) still runs unless it is this late
@@ -119,6 +123,7 @@ class JobDriver(TrainerControl):
         self.live = live
         self.actor = actor
         self.supervisor: Any = None
+        self.user_errors: UserErrorReport | None = None  # user-code failures, as they come
         weights = config.trainer.weights
         self.broadcaster = (
             Broadcaster(weights, config.trainer.device)
@@ -211,6 +216,12 @@ class JobDriver(TrainerControl):
         self._release_logs = self.run_dir.capture_logs()
         self.run_dir.start_trackers(
             cfg.run, job.name, lambda m: self.console.print(m, markup=False)
+        )
+        # what the nodes report of user code from here on (not what earlier runs saw)
+        self.user_errors = UserErrorReport(
+            self.buffer.events_after,
+            self.buffer.last_event_id(),
+            lambda m: self.console.print(m, markup=False),
         )
         self._start_ray()
         self._start_trainer()
@@ -320,6 +331,9 @@ class JobDriver(TrainerControl):
             seed=self.cfg.run.seed * 1000 + index,
             threads=max(1, int(r.cpus_per_node)),
             breaker_failures=r.breaker_failures,
+            retry_backoff_s=self.cfg.buffer.retry_backoff_s,
+            failing_task_window=r.failing_task_window,
+            failing_task_min_episodes=r.failing_task_min_episodes,
             tool_format=self.cfg.model.tool_format,
             chat_template=self.chat_template,
             engine_hook=self.engine_hooks.get(index),
@@ -401,6 +415,7 @@ class JobDriver(TrainerControl):
             (self._sweep_dead, cp.dead_sweep_interval_s, "dead-worker-sweep"),
             (self._supervise, cp.supervise_interval_s, "supervise"),
             (self.buffer.drop_old_payloads, cp.retention_interval_s, "payload-retention"),
+            (self._report_user_errors, USER_ERRORS_INTERVAL_S, "user-errors"),
         ]
         for fn, every, name in jobs:
             s.add_job(fn, "interval", seconds=every, id=name)
@@ -421,6 +436,10 @@ class JobDriver(TrainerControl):
             say=lambda m: self.console.print(m, markup=False),
         )
 
+    def _report_user_errors(self) -> None:
+        if self.user_errors is not None:
+            self.user_errors.poll()
+
     def _sweep_dead(self) -> None:
         cp = self.cfg.control_plane
         for d in self.buffer.sweep_dead_workers(cp.heartbeat_timeout_s, cp.progress_timeout_s):
@@ -435,6 +454,9 @@ class JobDriver(TrainerControl):
         try:
             return self._run()
         except DriverFencedError:  # another driver has the job: its status is not ours
+            raise
+        except TasksPausedError:  # every task paused: stopped, resumable once they are fixed
+            self._outcome = JobStatus.STOPPED
             raise
         except Exception as e:  # the job failed (the trainer over its budget, no node left)
             self._outcome = JobStatus.FAILED
@@ -483,6 +505,7 @@ class JobDriver(TrainerControl):
                 start_after_step()
                 if not batch.groups:
                     self._check_nodes_left()
+                    self._check_tasks_left()
                     if time.monotonic() - refreshed >= WAIT_POLL_S:
                         snap.waiting = "waiting for a full batch from the rollout nodes"
                         self._refresh(snap, started, train_s, steps_this_run)
@@ -572,6 +595,33 @@ class JobDriver(TrainerControl):
                 f"failed over its restart budget (rollout.max_restarts); fix the cause and "
                 f"continue with --resume ({why})"
             )
+
+    def _check_tasks_left(self) -> None:
+        """Every task is paused, at least one by the user-code guard, and nothing is in flight:
+        nothing will fill a batch. The job stops with the reasons (after the last user-code
+        errors are shown); it continues with ``--resume`` once the tasks are resumed."""
+        from orchestrator.domain import TaskStatus, paused_sentence
+
+        tasks = self.buffer.tasks()
+        if not tasks or any(t.status is not TaskStatus.PAUSED for t in tasks):
+            return
+        guarded = [t for t in tasks if t.status_reason]
+        if not guarded or self.buffer.depth().get("leased", 0):
+            return
+        if self.user_errors is not None:
+            self.user_errors.close()
+        reasons = "; ".join(
+            paused_sentence(t.name, t.job_name, t.status_reason or "") for t in guarded
+        )
+        self.buffer.event(
+            "job.tasks_paused",
+            f"every task is paused; the job stops at step {self.step}: {reasons}",
+            {"step": self.step, "tasks": {t.name: t.status_reason for t in guarded}},
+        )
+        raise TasksPausedError(
+            f"job {self.cfg.job.name!r} stopped at step {self.step}: every task is paused. "
+            f"{reasons}; then continue the job with `rollcall run CONFIG --resume`"
+        )
 
     def _train_step(self, batch: Any) -> dict[str, Any]:
         """The step's critical path, up to its commit: plan, train, checkpoint, publish,
@@ -847,6 +897,9 @@ class JobDriver(TrainerControl):
         if self.scheduler is not None:
             self.scheduler.shutdown(wait=True)  # a job mid-retry finishes its (bounded) window
             self.scheduler = None
+        if self.user_errors is not None:
+            self.user_errors.close()  # the counts not yet shown
+            self.user_errors = None
         try:
             self._stop_nodes()
         except Exception:

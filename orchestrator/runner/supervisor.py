@@ -172,24 +172,20 @@ class Supervisor:
                 continue
             reason_text = None
             lost_machine = False
+            mine = row is not None and row["id"] == slot.worker_id
+            # why the database says it is dead: the sweep's words, or the node's own (its
+            # breaker tripped, its engine failed) when it gave up before its run returned
+            said = row.get("status_reason") if mine and row is not None else None
             ready, _ = ray.wait([slot.run_ref], timeout=0)
             if ready:
                 try:
                     ray.get(slot.run_ref)
-                    reason_text = "stopped (declared dead by the control plane)"
+                    reason_text = f"stopped ({said or 'declared dead by the control plane'})"
                 except Exception as e:
                     reason_text = _death_reason(e)
                     lost_machine = _machine_lost(e, slot.node_id)
-            elif (
-                row is not None
-                and row["id"] == slot.worker_id
-                and row["status"]
-                in (
-                    "dead",
-                    "failed",
-                )
-            ):
-                reason_text = "declared dead by the control plane (hung)"
+            elif mine and row is not None and row["status"] in ("dead", "failed"):
+                reason_text = said or "declared dead by the control plane"
             if reason_text is not None:
                 self._down(slot, reason_text, lost_machine)
 

@@ -20,7 +20,7 @@ from orchestrator import bounds
 from orchestrator.db.engine import Tx
 from orchestrator.db.repos.monitoring import DrillCount, JobProgress, StepSummary
 from orchestrator.db.repos.trajectories import table_sizes
-from orchestrator.domain import JobView
+from orchestrator.domain import JobView, paused_sentence
 from orchestrator.errors import NotFoundError, UserError
 from orchestrator.services.jobs import driver_json, require_job
 
@@ -54,6 +54,7 @@ class TaskSnapshot:
     ready_age_s: float  # and seconds since it finished
     reward: float | None  # mean reward of the task's samples in the last step
     counters: dict[str, int]
+    status_reason: str | None = None  # why the user-code guard paused it
 
     @property
     def inflight(self) -> int:
@@ -160,6 +161,7 @@ def snapshot(tx: Tx, job_id: int) -> JobSnapshot:
                 ready_age_s=age,
                 reward=float(reward) if isinstance(reward, int | float) else None,
                 counters={k: int(t.counters.get(k, 0)) for k in COUNTERS},
+                status_reason=t.status_reason,
             )
         )
     cp = config.get("control_plane") or {}
@@ -241,8 +243,25 @@ def status_document(tx: Tx, job_name: str | None, *, events: int = 10) -> dict[s
                 "episodes": t.episodes,
                 "trained_samples": t.samples["consumed"],
                 "counters": t.counters,
+                "status_reason": t.status_reason,
+                "paused": (
+                    paused_sentence(t.name, p.name, t.status_reason)
+                    if t.status_reason and t.status == "paused"
+                    else None
+                ),
             }
             for t in snap.tasks
+        ],
+        "user_errors": [
+            {
+                "count": u.count,
+                "tasks": u.tasks,
+                "error": u.head,
+                "location": u.location,
+                "last": u.last_message,
+                "last_at": u.last_at.isoformat() if u.last_at else None,
+            }
+            for u in tx.monitoring.user_errors(job.id)
         ],
         "nodes": [node_json(n) for n in snap.nodes],
         "buffer": snap.depth(),

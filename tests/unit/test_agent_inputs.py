@@ -17,6 +17,7 @@ from workers.agents.runtime import AgentRun
 from workers.rollout.agent import Limits
 from workers.rollout.chat import chat_for
 from workers.rollout.tools import ToolRunner
+from workers.rollout.usercode import UserCodeError
 
 AGENTS = "tests.support.agents"
 
@@ -123,8 +124,11 @@ def test_a_tool_that_raises_becomes_an_observation_or_fails_the_episode(
     assert out.trajectory.state["info"]["observation"] == (
         "error: ValueError: cannot evaluate '6 * 7'"
     )
-    with pytest.raises(AgentUsageError, match="the tool 'calc' failed: ValueError: cannot"):
+    # the episode fails as its input's fault, the agent's exception its cause
+    with pytest.raises(UserCodeError, match="the tool 'calc' failed: ValueError: cannot") as e:
         _play(tiny_engine, tmp_path, {"tool": "raising", "options": {"on_error": "raise"}})
+    assert isinstance(e.value.__cause__, AgentUsageError)
+    assert e.value.location.endswith("in tool_user"), e.value.location
     ok = _play(tiny_engine, tmp_path, {"tool": "answer"})
     assert ok.trajectory.state["info"]["observation"] == "42"
     assert [e["k"] for e in ok.trajectory.state["journal"]] == ["chat", "tool"]
@@ -150,5 +154,6 @@ def test_a_tool_that_hangs_times_out_and_the_agent_goes_on(
 def test_a_trained_conversation_must_be_extended_not_rewritten(
     tiny_engine: Any, tmp_path: Path
 ) -> None:
-    with pytest.raises(AgentUsageError, match="message 0 differs from the trained conversation"):
+    with pytest.raises(UserCodeError, match="message 0 differs from the trained conversation") as e:
         _play(tiny_engine, tmp_path, {}, agent="rewriter")
+    assert isinstance(e.value.__cause__, AgentUsageError)

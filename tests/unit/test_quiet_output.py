@@ -99,6 +99,7 @@ def test_scheduler_jobs_coalesce_and_tolerate_a_busy_machine(tmp_path: Path) -> 
             "dead-worker-sweep",
             "supervise",
             "payload-retention",
+            "user-errors",
         }
         for j in jobs:
             assert (j.coalesce, j.misfire_grace_time, j.max_instances) == (True, 60, 1), j.id

@@ -93,6 +93,7 @@ def test_missed_runs_are_logged_to_the_run_dir_and_counted_not_printed(tmp_path:
         "dead-worker-sweep": 0,
         "supervise": 0,
         "payload-retention": 0,
+        "user-errors": 0,
         "frozen": 1,
         "late": 0,
     }

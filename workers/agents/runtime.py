@@ -27,12 +27,13 @@ import logging
 import secrets
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.agent import AGENT_FILE_MODULE, AgentSpec, load_agent
+from tasks.agent import AGENT_FILE_MODULE, DEFAULT_EPISODE_TIMEOUT_S, AgentSpec, load_agent
 from tasks.base import Tool
 from workers.agents.api import (
     AgentUsageError,
@@ -49,10 +50,14 @@ from workers.rollout.engines.base import Engine, GenerationRequest
 from workers.rollout.toolcalls import Answer, Malformed
 from workers.rollout.toolcalls import ToolCall as ParsedCall
 from workers.rollout.tools import ToolRunner
+from workers.rollout.usercode import UserCodeError, check_reward, code_location, stack_location
 
 log = logging.getLogger(__name__)
 
 JOURNAL = "journal"
+# After its episode timeout an agent is cancelled; one whose thread is blocked (synchronous
+# work that never awaits) cannot be, and is abandoned this many seconds later.
+CANCEL_GRACE_S = 5.0
 
 
 def _stable(value: Any) -> Any:
@@ -152,6 +157,7 @@ class AgentContext:
         self.stats = CallStats()
         self.diverged: str | None = None
         self.failure: BaseException | None = None  # what failed a call served on a thread
+        self.closed: str | None = None  # the episode ended (timed out): calls are refused
         self.api_key = f"rc-{secrets.token_urlsafe(18)}"
 
     # -- public API ---------------------------------------------------------------------
@@ -228,11 +234,16 @@ class AgentContext:
                 return slot.entry["r"]["v"]
             value = await _bounded(fn, args, kwargs, timeout)
             try:  # what replay returns is the value read back from JSON: so is the live one
-                value = json.loads(json.dumps(value))
-            except (TypeError, ValueError):
+                value = json.loads(json.dumps(value, allow_nan=False))
+            except (TypeError, ValueError) as e:
+                what = (
+                    "a number that is not finite (NaN or infinity)"
+                    if "Out of range float" in str(e)
+                    else type(value).__name__
+                )
                 raise AgentUsageError(
-                    f"ctx.step({name}): its result must be JSON-serialisable to be recorded; "
-                    f"got {type(value).__name__}"
+                    f"ctx.step({name}): its result must be JSON-serialisable with finite numbers "
+                    f"to be recorded; got {what}"
                 ) from None
             slot.result = {"v": value}
             return value
@@ -285,6 +296,11 @@ class AgentContext:
                 f"the trajectory has its {limits.max_turns} trained turns (the task's max_turns)"
             )
         room = limits.max_tokens - len(self.trajectory.token_ids) - extra
+        if room <= 0 and not self.trajectory.token_ids:
+            raise ContextLimit(
+                f"the prompt alone is {extra} tokens, at or over rollout.max_tokens "
+                f"({limits.max_tokens})"
+            )
         if room <= 0:
             raise ContextLimit(
                 f"the trajectory reached rollout.max_tokens ({limits.max_tokens} tokens)"
@@ -449,6 +465,8 @@ class AgentContext:
 
     def _enter(self) -> None:
         with self._lock:
+            if self.closed is not None:
+                raise AgentUsageError(f"this episode is over ({self.closed}): no further calls")
             if self._busy:
                 raise AgentUsageError(
                     "ctx calls of one episode must not overlap: await each before the next"
@@ -645,34 +663,119 @@ class AgentRun:
         return LoopOutcome(t, reward, len(t.turn_offsets))
 
     def _play(self, fn: Callable[..., Any], ctx: AgentContext) -> tuple[float, str, dict[str, Any]]:
-        from workers.agents.endpoint import registered
-
-        async def main() -> Any:
-            return await fn(ctx, dict(self.prompt))
-
+        """Run the function once: (reward, stop reason, info). What fails in the user's code
+        (an exception, a reward that is not a finite number, a wrong return type, the episode
+        timeout) is ``UserCodeError``: the episode's failure. The engine's or the lease's
+        failure passes as it is, also when the agent caught it."""
         try:
-            with registered(ctx):
-                result = asyncio.run(main())
+            result = self._call(fn, ctx)
         except ReplayDivergence:
             return 0.0, "diverged", {}
         except ContextLimit as e:
             if ctx.diverged is not None:
                 return 0.0, "diverged", {}
             return 0.0, f"limit: {e}", {}
-        except BaseException:
+        except BaseException as e:
             if ctx.diverged is not None:
                 return 0.0, "diverged", {}
             if ctx.failure is not None:  # the endpoint's call failed (engine, lease): that
                 raise ctx.failure from None  # is the failure, not the agent's reaction to it
-            raise
+            if isinstance(e, UserCodeError) or not isinstance(e, Exception | SystemExit):
+                raise
+            raise UserCodeError.raised("the agent", e, fn) from e
+        finally:
+            ctx.closed = ctx.closed or "it returned"
         if ctx.diverged is not None:
             return 0.0, "diverged", {}
         if ctx.failure is not None:  # the agent caught the engine's or the lease's failure
             raise ctx.failure
         if isinstance(result, Outcome):
-            return float(result.reward), "returned", dict(result.info)
+            reward = check_reward(result.reward, "the agent's reward", fn)
+            info = result.info
+            try:
+                if not isinstance(info, dict):
+                    raise TypeError(f"it is a {type(info).__name__}, not a dict")
+                json.dumps(info, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise UserCodeError(
+                    f"the agent's Outcome.info must be a JSON-ready dict with finite numbers ({e})",
+                    location=code_location(fn),
+                    kind="returned",
+                    head="the agent's Outcome.info is not JSON-ready",
+                ) from None
+            return reward, "returned", dict(info)
         if isinstance(result, int | float) and not isinstance(result, bool):
-            return float(result), "returned", {}
-        raise AgentUsageError(
-            f"agent {self.spec.agent} returned {type(result).__name__}, not an Outcome"
+            return check_reward(result, "the agent's reward", fn), "returned", {}
+        raise UserCodeError(
+            f"the agent {self.spec.agent} returned {type(result).__name__}, not an Outcome (or "
+            "a number)",
+            location=code_location(fn),
+            kind="returned",
+            head="the agent returned the wrong type",
+            input_independent=True,
         )
+
+    def _call(self, fn: Callable[..., Any], ctx: AgentContext) -> Any:
+        """``await fn(ctx, prompt)`` on an event loop of its own thread, within the task's
+        ``episode_timeout_s``: past it the function is cancelled (``UserCodeError``, where it
+        was waiting); a function that cannot be cancelled (its thread blocked in synchronous
+        code) is abandoned ``CANCEL_GRACE_S`` later, its calls through ``ctx`` refused."""
+        from workers.agents.endpoint import registered
+
+        timeout = float(getattr(self.spec, "episode_timeout_s", DEFAULT_EPISODE_TIMEOUT_S))
+        expired: list[BaseException] = []
+
+        async def main() -> Any:
+            deadline = asyncio.timeout(timeout)
+            try:
+                async with deadline:
+                    result = await fn(ctx, dict(self.prompt))
+            except TimeoutError as e:
+                if not deadline.expired():
+                    raise  # the agent's own (a ctx.step's timeout, say)
+                expired.append(e.__context__ or e)  # the cancellation: where the agent waited
+                return None
+            if deadline.expired():  # it swallowed the cancellation
+                expired.append(TimeoutError())
+            return result
+
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def target() -> None:
+            try:
+                with registered(ctx):
+                    done.set_result(asyncio.run(main()))
+            except BaseException as e:
+                done.set_exception(e)
+
+        thread = threading.Thread(target=target, daemon=True, name="agent-episode")
+        thread.start()
+        concurrent.futures.wait([done], timeout=timeout + CANCEL_GRACE_S)
+        if not done.done():
+            frame = sys._current_frames().get(thread.ident or 0)
+            ctx.closed = f"it did not finish within {timeout:g} s"
+            stack = traceback.extract_stack(frame) if frame is not None else []
+            raise UserCodeError(
+                f"the agent did not finish within {timeout:g} s (spec.episode_timeout_s) and "
+                "could not be cancelled: its thread is blocked in synchronous code (a blocking "
+                "call, time.sleep, a busy loop; run it with ctx.step or ctx.tool); the thread is "
+                "abandoned",
+                location=stack_location(stack) or code_location(fn),
+                trace="".join(traceback.format_list(stack)),
+                kind="timeout",
+                head=f"the agent did not finish within {timeout:g} s",
+            )
+        result = done.result()
+        if expired:
+            ctx.closed = f"it did not finish within {timeout:g} s"
+            waited = expired[0]
+            error = UserCodeError.raised("the agent", waited, fn)
+            raise UserCodeError(
+                f"the agent did not finish within {timeout:g} s (spec.episode_timeout_s) and was "
+                "cancelled",
+                location=error.location,
+                trace=error.trace,
+                kind="timeout",
+                head=f"the agent did not finish within {timeout:g} s",
+            )
+        return result

@@ -30,6 +30,7 @@ from workers.rollout.chat import Chat, chat_for
 from workers.rollout.engines.base import Engine, GenerationRequest
 from workers.rollout.toolcalls import Answer, Malformed, ToolCall
 from workers.rollout.tools import ToolRunner
+from workers.rollout.usercode import check_reward, user_call
 
 
 @dataclass(frozen=True)
@@ -122,11 +123,15 @@ class AgentLoop:
         self.tools = tools
         self.limits = limits or Limits(max_turns=spec.max_turns)
         self.chat = chat or chat_for(tokenizer)
-        self._tools = plugin.tools(spec)
-        self._instructions = plugin.instructions(spec, prompt)
+        # the plugin's code is the task's (the user's): what it raises fails the episode as its
+        # input's fault (UserCodeError), never the node
+        self._tools = user_call("the task's tools", plugin.tools, spec)
+        self._instructions = user_call("the task's instructions", plugin.instructions, spec, prompt)
 
     def start(self) -> Trajectory:
-        t = Trajectory(state=self.plugin.initial_state(self.spec, self.prompt))
+        state = user_call("the task's initial state", self.plugin.initial_state, self.spec,
+                          self.prompt)  # fmt: skip
+        t = Trajectory(state=state)
         ids = self.chat.prompt_ids(self._tools, self._instructions)
         t.append(ids, generated=False)
         t.prompt_tokens = len(ids)
@@ -142,7 +147,12 @@ class AgentLoop:
             self.step(t)
             if on_turn is not None:
                 on_turn(t)
-        reward = self.plugin.reward(self.spec, self.prompt, t.answer, t.state, len(t.turn_offsets))
+        reward = user_call(
+            "the task's reward",
+            self.plugin.reward,
+            self.spec, self.prompt, t.answer, t.state, len(t.turn_offsets),
+        )  # fmt: skip
+        reward = check_reward(reward, "the task's reward", self.plugin.reward)
         return Outcome(t, reward, len(t.turn_offsets))
 
     def step(self, t: Trajectory) -> None:
@@ -189,4 +199,4 @@ class AgentLoop:
         """The final answer as the task reads it (``read_answer``; plugins without one take
         the text as written)."""
         read = getattr(self.plugin, "read_answer", None)
-        return text if read is None else read(self.spec, text)
+        return text if read is None else user_call("the task's read_answer", read, self.spec, text)

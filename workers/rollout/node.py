@@ -32,7 +32,6 @@ checkpoints. What it guarantees:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import logging
@@ -66,7 +65,9 @@ from workers.rollout.engines.base import (
 )
 from workers.rollout.engines.batching import BatchingEngine
 from workers.rollout.engines.factory import make_engine, preload
+from workers.rollout.guard import TaskGuard
 from workers.rollout.tools import ToolRunner
+from workers.rollout.usercode import UserCodeError
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,13 @@ class NodeConfig:
     # connections to PostgreSQL, shared by the loops (a connection per loop does not scale:
     # 64 loops x 16 nodes ran a 300-connection server out of connections)
     db_connections: int = 8
+    # User code that fails on an episode's input (``workers.rollout.usercode``): the episode is
+    # claimable again after retry_backoff_s * 2^(attempts-1) (twice that on this node), and a
+    # task whose code fails on more than half of its last failing_task_window episodes (at
+    # least failing_task_min_episodes seen; 0: off) is paused (``workers.rollout.guard``)
+    retry_backoff_s: float = 2.0
+    failing_task_window: int = 8
+    failing_task_min_episodes: int = 4
     # PostgreSQL ends a session of the node left idle inside a transaction this long: a node
     # stopped mid-transaction (SIGSTOP, a frozen machine) would otherwise keep its worker row
     # locked, the dead-worker sweep skip it, and the node never be declared dead. The driver
@@ -181,6 +189,8 @@ class NodeStats:
     agent_calls_live: int = 0  # ... calls served now
     agent_generations: int = 0  # ... chat calls that ran the engine
     agent_divergences: int = 0  # ... replays that diverged (the sample restarted from scratch)
+    user_errors: int = 0  # episodes failed by user code (the input's fault, not the node's)
+    tasks_paused: int = 0  # tasks this node paused because their code failed on most inputs
     weights_received: int = 0  # versions loaded from a broadcast (collective transport)
     weights_receive_failed: int = 0  # broadcasts that did not complete here
 
@@ -238,6 +248,9 @@ class RolloutNode:
         self._missed: set[int] = set()
         self._checked_once = False
         self._streak = 0  # episodes failed in a row (the breaker)
+        # tasks whose code fails on most inputs are paused (under ``_lock``)
+        self._guard = TaskGuard(config.failing_task_window, config.failing_task_min_episodes)
+        self._probe_tokens = -1  # tokens generated at the last upkeep pass
         self._loading = False  # a weight load is in progress
         self._progress = 0  # probes and weight loads that ended (progress without tokens)
         self._reported_progress = 0
@@ -457,12 +470,13 @@ class RolloutNode:
             plugin = registry.get(claim.plugin)
             spec = plugin.Spec.model_validate(claim.spec)
             tools.preload(type(plugin).__module__)
-        except Exception as e:  # the episode's task cannot be read: the episode's failure
-            log.exception("episode %s cannot be started", lease.episode_id)
+        except Exception as e:  # the task cannot be read here (its agent no longer imports):
+            log.exception("episode %s cannot be started", lease.episode_id)  # on every input
             with self._lock:
                 self._active.discard((lease.episode_id, lease.epoch))
-            with contextlib.suppress(StaleLeaseError):
-                self.buffer.release(lease, f"{type(e).__name__}: {e}")
+            error = UserCodeError.raised("the task's spec", e)
+            error.input_independent = True
+            self._user_failed(claim, None, error)
             return None
         limits = Limits(
             max_turns=spec.max_turns,
@@ -539,6 +553,15 @@ class RolloutNode:
                 self._streak = 0
         except (LeaseLost, StaleLeaseError):
             self._fail(work, None)
+        except UserCodeError as e:  # the input's fault: counted, never the breaker's
+            with self._work_cv:
+                first = not work.failed
+                if first:
+                    work.failed = True
+                    work.todo.clear()
+                    self._lost.add((lease.episode_id, lease.epoch))
+            if first:
+                self._user_failed(claim, sample.sample_index, e)
         except EngineFailure as e:  # the engine's failure, not the episode's: not counted
             if e.fatal:
                 self._engine_died(str(e))
@@ -606,12 +629,66 @@ class RolloutNode:
         if trip is not None:
             self._give_up(trip, broken=True)
 
+    def _user_failed(
+        self, claim: ClaimedEpisode, sample_index: int | None, error: UserCodeError
+    ) -> None:
+        """User code failed on the episode's input: the episode is released as a counted
+        attempt with a backoff (or quarantined), with an ``episode.user_error`` event carrying
+        the traceback; the node's breaker is not touched. The guard may pause the task."""
+        lease = claim.lease
+        log.warning(
+            "task %s, episode %s (prompt %s): %s at %s\n%s", claim.task_name, lease.episode_id,
+            claim.prompt_index, error.message, error.location or "?", error.trace,
+        )  # fmt: skip
+        failure = {
+            **error.payload(),
+            "task": claim.task_name,
+            "prompt_index": claim.prompt_index,
+            "prompt_excerpt": _excerpt(claim.prompt),
+            "sample": sample_index,
+            "worker": self.config.name,
+        }
+        try:
+            self.buffer.fail_user_code(lease, failure, backoff_s=self.config.retry_backoff_s)
+            released = True
+        except StaleLeaseError:
+            released = False
+        except Exception:  # the database is away: the lease is swept like any other
+            log.warning("could not release episode %s", lease.episode_id, exc_info=True)
+            released = False
+        with self._lock:
+            self.stats.user_errors += 1
+            if released:
+                self.stats.episodes_released += 1
+            else:
+                self.stats.episodes_abandoned += 1
+            verdict = self._guard.record(lease.task_id, lease.episode_id, error)
+        if verdict is None:
+            return
+        try:
+            paused = self.buffer.pause_task(
+                lease.task_id,
+                verdict.sentence(),
+                f"{self.config.name} (user-code guard)",
+                {"error": verdict.error, "location": verdict.location, "failed": verdict.failed,
+                 "seen": verdict.seen, "signature": error.signature,
+                 "input_independent": verdict.input_independent},
+            )  # fmt: skip
+        except Exception:
+            log.warning("could not pause task %s", claim.task_name, exc_info=True)
+            return
+        if paused:
+            with self._lock:
+                self.stats.tasks_paused += 1
+            log.error("paused task %s: %s", claim.task_name, verdict.sentence())
+
     def _finish(self, work: _Work) -> None:
         """Called with ``_work_cv`` held when the episode's last sample is done."""
         key = (work.claim.lease.episode_id, work.claim.lease.epoch)
         if not work.failed:
             with self._lock:
                 self.stats.episodes_committed += 1
+                self._guard.record(work.claim.lease.task_id, key[0], None)
         with self._lock:
             self._active.discard(key)
             self._lost.discard(key)
@@ -851,12 +928,17 @@ class RolloutNode:
         log.warning("gave back orphan lease of episode %s (epoch %s)", episode_id, epoch)
 
     def _probe(self) -> None:
-        """When idle, a one-token generation proves the engine still works (progress). It runs
+        """When idle, or busy but without a token generated since the last pass (the loops wait
+        on user code), a one-token generation proves the engine still works (progress). It runs
         on the upkeep thread: a hung engine blocks it, so progress stops (not the beats) and
         the control plane declares the node hung after ``progress_timeout_s``."""
+        tokens = self.base_engine.health().tokens_generated
         with self._lock:
             idle = not self._active
-        if idle:
+        # idle, or busy without generating (its loops wait on the user's code: slow tools,
+        # synchronous work in an agent): the probe shows the engine itself still works
+        stalled, self._probe_tokens = tokens == self._probe_tokens, tokens
+        if idle or stalled:
             probe = getattr(self.base_engine, "probe", None)
             if probe is not None:  # the engine's own probe (works while weights are broken)
                 probe()
@@ -893,6 +975,14 @@ class RolloutNode:
                     self._engine_died(str(e))
             except Exception:
                 log.exception("upkeep failed")
+
+
+def _excerpt(prompt: Any, limit: int = 300) -> str:
+    """A prompt as short JSON text for an event (a prompt may be megabytes)."""
+    import json
+
+    text = json.dumps(prompt, default=str, ensure_ascii=False)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _ray_node_id() -> str | None:

@@ -172,7 +172,10 @@ class BatchRepository:
                 SELECT e.id, e.task_id, (
                     SELECT max(tr.prompt_tokens) FROM trajectories tr
                     WHERE tr.task_id = e.task_id AND tr.episode_id = e.id
-                ) AS prompt_tokens
+                ) AS prompt_tokens, (
+                    SELECT min(tr.env_state->>'stop_reason') FROM trajectories tr
+                    WHERE tr.task_id = e.task_id AND tr.episode_id = e.id
+                ) AS stop_reason
                 FROM episodes e
                 WHERE e.job_id = :j AND e.status = 'done' AND e.consumed_step IS NULL
                   AND e.claimed_step IS NULL AND e.min_policy_version IS NULL
@@ -195,11 +198,7 @@ class BatchRepository:
             ),
             {
                 "ids": [r.id for r in stuck],
-                "errs": [
-                    f"no sample generated a token: the prompt ({r.prompt_tokens} tokens) "
-                    "reaches rollout.max_tokens"
-                    for r in stuck
-                ],
+                "errs": [f"no sample generated a token: {ungenerated_cause(r)}" for r in stuck],
             },
         )
         self.session.execute(
@@ -211,6 +210,76 @@ class BatchRepository:
             {"tids": sorted({r.task_id for r in stuck}), "ids": [r.id for r in stuck]},
         )
         return list(stuck)
+
+    def quarantine_nonfinite_groups(self, job_id: int, *, reserved: bool) -> list[Any]:
+        """Quarantine finished, unconsumed groups with a reward that is not a finite number
+        (NaN, infinity): written before rewards were checked where they are produced, they would
+        fail the trainer's advantages on every try. With ``reserved``, groups reserved by a step
+        are taken too (the caller releases the rest of that step's reservation). Their samples
+        are expired.
+        Returns the episodes (id, task_id, prompt_index, claimed_step, rewards)."""
+        bad = self.session.execute(
+            text(
+                """
+                SELECT e.id, e.task_id, e.prompt_index, e.claimed_step,
+                       array_agg(tr.reward ORDER BY tr.sample_index) AS rewards
+                FROM episodes e
+                JOIN trajectories tr ON tr.task_id = e.task_id AND tr.episode_id = e.id
+                WHERE e.job_id = :j AND e.status = 'done' AND e.consumed_step IS NULL
+                  AND (:reserved OR e.claimed_step IS NULL)
+                GROUP BY e.id
+                HAVING bool_or(tr.reward IN ('NaN', 'Infinity', '-Infinity'))
+                ORDER BY e.id
+                """
+            ),
+            {"j": job_id, "reserved": reserved},
+        ).all()
+        if not bad:
+            return []
+        ids = [r.id for r in bad]
+        self.session.execute(
+            text(
+                "UPDATE episodes SET status = 'quarantined', claimed_step = NULL, "
+                "last_error = 'non-finite reward (' || CAST(:why AS text) || ')', "
+                "updated_at = now() WHERE id = ANY(:ids)"
+            ),
+            {"ids": ids, "why": "NaN or infinity, written before rewards were checked"},
+        )
+        self.session.execute(
+            text(
+                "UPDATE trajectories SET status = 'expired', claimed_step = NULL, "
+                "updated_at = now() WHERE task_id = ANY(:tids) AND episode_id = ANY(:ids) "
+                "AND status IN ('ready', 'claimed', 'in_progress')"
+            ),
+            {"tids": sorted({r.task_id for r in bad}), "ids": ids},
+        )
+        return list(bad)
+
+    def release_reservation(self, job_id: int, step: int) -> int:
+        """Undo the reservation of ``step``'s batch (not consumed): its groups are available
+        again, its claimed trajectories ``ready``; the job's pending step is cleared. Returns
+        the groups released."""
+        self.session.execute(
+            text(
+                """
+                UPDATE trajectories tr SET status = 'ready', claimed_step = NULL,
+                       updated_at = now()
+                FROM episodes e
+                WHERE e.job_id = :j AND e.claimed_step = :s AND e.consumed_step IS NULL
+                  AND tr.task_id = e.task_id AND tr.episode_id = e.id AND tr.status = 'claimed'
+                """
+            ),
+            {"j": job_id, "s": step},
+        )
+        n = self.session.execute(
+            text(
+                "UPDATE episodes SET claimed_step = NULL, updated_at = now() "
+                "WHERE job_id = :j AND claimed_step = :s AND consumed_step IS NULL"
+            ),
+            {"j": job_id, "s": step},
+        ).rowcount  # type: ignore[attr-defined]
+        self.set_pending(job_id, None, None)
+        return int(n)
 
     # -- claim ---------------------------------------------------------------------------------
 
@@ -478,6 +547,17 @@ class BatchRepository:
             {"j": job_id},
         )
         return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def ungenerated_cause(row: Any) -> str:
+    """Why a finished group has no generated token, from its samples: the prompt's length when
+    it was tokenized, else the samples' own stop reason (an agent's prompt too long for its first
+    model call never becomes tokens)."""
+    if row.prompt_tokens:
+        return f"the prompt ({row.prompt_tokens} tokens) reaches rollout.max_tokens"
+    if row.stop_reason:
+        return str(row.stop_reason)
+    return "no sample made a model call"
 
 
 def _step(row: Any) -> StepRow:

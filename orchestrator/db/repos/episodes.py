@@ -358,6 +358,20 @@ class EpisodeRepository:
             )
         return [Requeued(r.id, r.task_id, False) for r in rows]
 
+    def set_retry(
+        self, episode_id: int, *, delay_s: float, worker_id: int, worker_delay_s: float
+    ) -> None:
+        """A requeued episode whose user code failed: claimable ``delay_s`` from now, by the
+        worker it failed on only ``worker_delay_s`` from now (``rollcall_claim``)."""
+        self.session.execute(
+            text(
+                "UPDATE episodes SET retry_at = now() + make_interval(secs => :d), "
+                "failed_worker = :w, "
+                "failed_worker_retry_at = now() + make_interval(secs => :wd) WHERE id = :e"
+            ),
+            {"e": episode_id, "d": delay_s, "w": worker_id, "wd": worker_delay_s},
+        )
+
     def bump_task_counter(self, task_id: int, counter: str, by: int = 1) -> None:
         assert counter in {
             "fenced_rejections",

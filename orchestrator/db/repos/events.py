@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from orchestrator.db import jsontext
@@ -54,6 +54,21 @@ class EventRepository:
         self.session.flush()
         self.session.refresh(ev)
         return event_view(ev)
+
+    def after(
+        self, job_id: int, after_id: int, kinds: tuple[str, ...], limit: int = 500
+    ) -> list[EventView]:
+        """The job's events of ``kinds`` with an id above ``after_id``, oldest first."""
+        q = (
+            select(Event)
+            .where(Event.job_id == job_id, Event.id > after_id, Event.kind.in_(kinds))
+            .order_by(Event.id)
+            .limit(limit)
+        )
+        return [event_view(e) for e in self.session.scalars(q)]
+
+    def last_id(self) -> int:
+        return int(self.session.scalar(select(func.coalesce(func.max(Event.id), 0))) or 0)
 
     def list(
         self,

@@ -51,6 +51,16 @@ class DrillCount:
     duplicated: int
 
 
+@dataclass(frozen=True)
+class UserErrorCount:
+    count: int
+    tasks: list[str]
+    head: str  # what failed, without the input's details (``the agent raised RuntimeError``)
+    location: str  # where in the user's code
+    last_message: str  # the latest occurrence's event message
+    last_at: Any
+
+
 class MonitoringRepository:
     def __init__(self, session: Session) -> None:
         self.session = session
@@ -199,6 +209,37 @@ class MonitoringRepository:
         ).all()
         return [
             DrillCount(r.drill, r.passed, int(r.n), int(r.lost), int(r.duplicated)) for r in rows
+        ]
+
+    def user_errors(self, job_id: int, limit: int = 5) -> list[UserErrorCount]:
+        """User-code failures (``episode.user_error`` events) by signature, the most frequent
+        first: how often, and the latest one's message and place in the user's code."""
+        rows = self.session.execute(
+            text(
+                """
+                SELECT g.n, g.tasks, e.message, e.payload->>'location' AS location,
+                       e.payload->>'head' AS head, e.created_at
+                FROM (
+                    SELECT payload->>'signature' AS sig, count(*) AS n, max(id) AS last_id,
+                           array_agg(DISTINCT payload->>'task') AS tasks
+                    FROM events WHERE job_id = :j AND kind = 'episode.user_error'
+                    GROUP BY 1
+                ) g JOIN events e ON e.id = g.last_id
+                ORDER BY g.n DESC, g.last_id DESC LIMIT :n
+                """
+            ),
+            {"j": job_id, "n": limit},
+        ).all()
+        return [
+            UserErrorCount(
+                count=int(r.n),
+                tasks=[str(t) for t in r.tasks if t is not None],
+                head=r.head or "",
+                location=r.location or "",
+                last_message=r.message,
+                last_at=r.created_at,
+            )
+            for r in rows
         ]
 
     def incarnations(self, job_id: int) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from orchestrator.db.jsontext import plain_text
 from orchestrator.db.models import Episode, Job, Task, Trajectory, partition_name
 from orchestrator.domain import TaskCounts, TaskStatus, TaskView
 from orchestrator.errors import ConflictError
@@ -42,6 +43,7 @@ def task_view(task: Task, job_name: str) -> TaskView:
             "quarantined_episodes": task.quarantined_episodes,
             "requeued_leases": task.requeued_leases,
         },
+        status_reason=task.status_reason,
     )
 
 
@@ -132,10 +134,27 @@ class TaskRepository:
         return self._views(self.session.execute(q.order_by(Task.job_id, Task.id)))
 
     def set_status(self, task_id: int, status: TaskStatus) -> TaskView:
-        self.session.execute(update(Task).where(Task.id == task_id).values(status=status))
+        """An operator's transition: whatever reason the task had for its status goes."""
+        self.session.execute(
+            update(Task).where(Task.id == task_id).values(status=status, status_reason=None)
+        )
         view = self.get(task_id)
         assert view is not None
         return view
+
+    def pause_with_reason(self, task_id: int, reason: str) -> str | None:
+        """Pause an active or draining task, keeping ``reason``; returns the status it had, or
+        None when it was neither (nothing changed)."""
+        row = self.session.execute(
+            text(
+                "UPDATE tasks t SET status = 'paused', status_reason = :r, updated_at = now() "
+                "FROM (SELECT id, status FROM tasks WHERE id = :t FOR NO KEY UPDATE) old "
+                "WHERE t.id = old.id AND old.status IN ('active', 'draining') "
+                "RETURNING old.status::text"
+            ),
+            {"t": task_id, "r": plain_text(reason)},
+        ).first()
+        return None if row is None else str(row[0])
 
     def set_quota(
         self,

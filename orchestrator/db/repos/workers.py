@@ -121,14 +121,18 @@ class WorkerRepository:
         ).one_or_none()
         return row is not None
 
-    def set_status(self, worker_id: int, status: WorkerStatus) -> None:
+    def set_status(self, worker_id: int, status: WorkerStatus, reason: str | None = None) -> None:
+        """``reason``: why (kept with the row, ``status_reason``); None keeps the one it has
+        (the first word on a death is the true one: the supervisor's requeue that follows a
+        breaker's give-back must not replace it)."""
         self.session.execute(
             text(
                 "UPDATE workers SET status = CAST(:s AS worker_status), "
+                "status_reason = COALESCE(CAST(:r AS text), status_reason), "
                 "stopped_at = CASE WHEN :s IN ('dead', 'failed', 'stopped') THEN now() "
                 "ELSE stopped_at END WHERE id = :w"
             ),
-            {"w": worker_id, "s": status.value},
+            {"w": worker_id, "s": status.value, "r": reason},
         )
 
     def db_now(self) -> Any:
@@ -194,7 +198,7 @@ class WorkerRepository:
                 """
                 SELECT DISTINCT ON (name) id, name, role::text AS role, status::text AS status,
                        host, pid, node_id,
-                       incarnation, restarts, loaded_version, tokens_generated,
+                       incarnation, restarts, loaded_version, tokens_generated, status_reason,
                        extract(epoch FROM now() - last_heartbeat_at) AS heartbeat_age_s,
                        extract(epoch FROM now() - last_progress_at) AS progress_age_s
                 FROM workers WHERE job_id = :j ORDER BY name, incarnation DESC

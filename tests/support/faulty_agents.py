@@ -1,0 +1,78 @@
+"""Agents whose code misbehaves on some inputs, for ``tests/integration/test_user_code.py``.
+
+Each prompt row carries its index ``i``; an agent misbehaves on the prompts its ``every``
+picks (``i % every == 0``, default 4: one prompt in four) and plays one trained turn and a
+recorded reward step on the others. The faults are those of real agents: a tool awaiting an
+inventory service that answers 500, a reward that comes out NaN, a wrong return type, an
+``await`` that never ends, synchronous work that blocks the agent's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from workers.agents import AgentContext, Outcome
+
+
+def _bad(prompt: dict[str, Any]) -> bool:
+    return int(prompt["i"]) % int(prompt.get("every", 4)) == 0
+
+
+async def _turn(ctx: AgentContext, prompt: dict[str, Any]) -> float:
+    reply = await ctx.chat([{"role": "user", "content": f"Count the crates in bay {prompt['i']}."}])
+    return float(await ctx.step(_score, reply.text))
+
+
+def _score(text: str) -> float:
+    return float(len(text) % 3) / 2.0
+
+
+async def check_stock(sku: str) -> int:
+    await asyncio.sleep(0)  # the simulated HTTP call
+    raise RuntimeError(f"inventory service returned 500 for {sku}")
+
+
+async def raise_on_some(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    reward = await _turn(ctx, prompt)
+    if _bad(prompt):
+        await check_stock(f"SKU-{prompt['i']}")
+    return Outcome(reward=reward)
+
+
+async def raise_always(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    await _turn(ctx, prompt)
+    await check_stock(f"SKU-{prompt['i']}")
+    return Outcome(reward=1.0)
+
+
+async def nan_on_some(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    reward = await _turn(ctx, prompt)
+    return Outcome(reward=float("nan") if _bad(prompt) else reward)
+
+
+async def wrong_type(ctx: AgentContext, prompt: dict[str, Any]) -> Any:
+    reward = await _turn(ctx, prompt)
+    return {"reward": reward}
+
+
+async def hang_on_some(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    """Awaits forever on the bad prompts (outside any ``ctx`` call)."""
+    reward = await _turn(ctx, prompt)
+    if _bad(prompt):
+        await asyncio.Event().wait()
+    return Outcome(reward=reward)
+
+
+async def block_on_some(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    """Blocks its thread with synchronous work for ``prompt["block_s"]`` seconds on the bad
+    prompts, then answers: slow, not broken."""
+    reward = await _turn(ctx, prompt)
+    if _bad(prompt):
+        time.sleep(float(prompt["block_s"]))
+    return Outcome(reward=reward)
+
+
+async def good(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    return Outcome(reward=await _turn(ctx, prompt))
