@@ -1,14 +1,15 @@
 """The user-code guard: when a task's code fails on most of its inputs, pause the task.
 
 A rollout node keeps, per task, the outcome of the last ``window`` distinct episodes it ran,
-in the order it first saw them end (an episode retried after a failure counts once, in its
+in the order it first saw them end. An episode retried after a failure counts once, in its
 first place, with its latest outcome while it is in the window, and not again once it has left
-it, so the retries of a few bad prompts do not read as a broken task). The task is to be
-paused when at least ``min_episodes`` episodes are in the window and more than half of them
-failed in user code, or at once when the failure cannot depend on the input
-(``UserCodeError.input_independent``: a wrong return type, a function that cannot be called). The node then pauses it through the
-buffer with one sentence (``Verdict.sentence``) and the guard forgets the task, so a task an
-operator resumes is judged afresh. Each node judges from the episodes it ran itself.
+it: the retries of a few bad prompts do not read as a broken task. The task is to be paused
+when at least ``min_episodes`` episodes are in the window and more than half of them failed in
+user code, or at once when the failure cannot depend on the input
+(``UserCodeError.input_independent``: a wrong return type, a function that cannot be called).
+The node then pauses it through the buffer with one sentence (``Verdict.sentence``) and the
+guard forgets the task, so a task an operator resumes is judged afresh. Each node judges from
+the episodes it ran itself.
 """
 
 from __future__ import annotations
