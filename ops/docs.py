@@ -118,6 +118,7 @@ refused command writes nothing.
 | 5 | the schema is not at the head revision (run `rollcall db upgrade`) |
 | 6 | the database cannot be reached |
 | 7 | the job cannot go on (every rollout node is over its restart budget) |
+| 8 | every task is paused, one at least by the user-code guard: resume them, then `--resume` |
 
 Every applied operator action writes an event (`job.created`, `task.registered`,
 `task.paused`, `task.resumed`, `task.draining`, `task.quota_changed`, `task.retired`,

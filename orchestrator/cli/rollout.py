@@ -106,6 +106,7 @@ def preview(
     from workers.rollout.engines.hf import HFEngine
     from workers.rollout.toolcalls import FORMATS
     from workers.rollout.tools import ToolRunner
+    from workers.rollout.usercode import UserCodeError
 
     if tool_format != "auto" and tool_format not in FORMATS:
         raise UserError(
@@ -125,12 +126,16 @@ def preview(
     with ToolRunner() as runner:
         for i in range(n):
             prompt = plugin.eval_prompt(task_spec, i) if held_out else plugin.prompt(task_spec, i)
-            if isinstance(task_spec, AgentSpec):  # the user's own agent function
-                outcome = AgentRun(engine, chat, task_spec, prompt, runner, limits).run()
-            else:
-                outcome = AgentLoop(
-                    engine, engine.tokenizer, plugin, task_spec, prompt, runner, limits, chat
-                ).run()
+            try:
+                if isinstance(task_spec, AgentSpec):  # the user's own agent function
+                    outcome = AgentRun(engine, chat, task_spec, prompt, runner, limits).run()
+                else:
+                    outcome = AgentLoop(
+                        engine, engine.tokenizer, plugin, task_spec, prompt, runner, limits, chat
+                    ).run()
+            except UserCodeError as e:  # the task's code failed on this prompt: shown, go on
+                episodes.append({"prompt": prompt, **e.payload()})
+                continue
             t = outcome.trajectory
             episodes.append(
                 {
@@ -149,6 +154,11 @@ def preview(
         return
     out = console()
     for i, ep in enumerate(episodes):
+        if "error" in ep:
+            out.rule(f"episode {i}: failed in the task's code")
+            out.print(f"{ep['error']} ({ep['location']})", markup=False, style="red")
+            out.print(ep["traceback"], markup=False, style="dim")
+            continue
         out.rule(f"episode {i}: reward {ep['reward']:.3f} ({ep['stop_reason']})")
         out.print(ep["instructions"], markup=False, style="dim")
         for k, turn in enumerate(ep["turns"]):

@@ -172,20 +172,17 @@ class Supervisor:
                 continue
             reason_text = None
             lost_machine = False
-            mine = row is not None and row["id"] == slot.worker_id
-            # why the database says it is dead: the sweep's words, or the node's own (its
-            # breaker tripped, its engine failed) when it gave up before its run returned
-            said = row.get("status_reason") if mine and row is not None else None
+            declared = _declared_dead(row, slot.worker_id)
             ready, _ = ray.wait([slot.run_ref], timeout=0)
             if ready:
                 try:
                     ray.get(slot.run_ref)
-                    reason_text = f"stopped ({said or 'declared dead by the control plane'})"
+                    reason_text = f"stopped ({declared or 'declared dead by the control plane'})"
                 except Exception as e:
                     reason_text = _death_reason(e)
                     lost_machine = _machine_lost(e, slot.node_id)
-            elif mine and row is not None and row["status"] in ("dead", "failed"):
-                reason_text = said or "declared dead by the control plane"
+            elif declared is not None:
+                reason_text = declared
             if reason_text is not None:
                 self._down(slot, reason_text, lost_machine)
 
@@ -296,6 +293,16 @@ class Supervisor:
             ray.kill(s.actor, no_restart=True)
             s.actor = None
         return ids
+
+
+def _declared_dead(row: dict[str, Any] | None, worker_id: int | None) -> str | None:
+    """Why the database says the slot's incarnation is dead (None: it does not): the words the
+    row keeps (the sweep's, "declared dead by the control plane (no heartbeat ...)", or the
+    node's own when it gave up before its run returned: its breaker tripped, its engine
+    failed), never a guess."""
+    if row is None or row["id"] != worker_id or row["status"] not in ("dead", "failed"):
+        return None
+    return str(row.get("status_reason") or "declared dead by the control plane")
 
 
 def _death_reason(e: BaseException) -> str:

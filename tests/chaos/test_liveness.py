@@ -168,6 +168,11 @@ def test_a_broken_engine_beside_a_healthy_one_quarantines_nothing(
         # and a step trained from the healthy node's work (the breaker can trip first: seen
         # in CI, the job stopped at step 0)
         wait_for("a step from rollout-0", lambda: driver.step >= 1, 300)
+        wait_for(
+            "rollout-1 restarting",
+            lambda: any(p["slot"] == "rollout-1" for _, p in _events(engine, "worker.restarting")),
+            300,
+        )
 
     result = _run_with(driver, until_tripped, stop_after_fault=True)
     assert result.steps >= 1
@@ -175,6 +180,11 @@ def test_a_broken_engine_beside_a_healthy_one_quarantines_nothing(
     assert scalar(engine, "SELECT count(*) FROM episodes WHERE status = 'quarantined'") == 0
     tripped = _events(engine, "worker.breaker_tripped")
     assert tripped and all("rollout-1" not in m or "RuntimeError" in m for m, _ in tripped)
+    # its restart names the breaker, never a hang (the row is marked dead by the node's own
+    # give-back before its run returns: that read as "declared dead ... (hung)")
+    restarts = [p["reason"] for _, p in _events(engine, "worker.restarting")
+                if p["slot"] == "rollout-1"]  # fmt: skip
+    assert restarts and all("breaker tripped" in r or "NodeBroken" in r for r in restarts), restarts
     # the healthy node was never restarted and did the work
     assert scalar(engine, "SELECT max(incarnation) FROM workers WHERE name = 'rollout-0'") == 0
     _assert_nothing_lost(db, engine, result.steps)

@@ -292,6 +292,7 @@ def test_metrics_scraped_during_a_short_job(
                     "dead-worker-sweep",
                     "supervise",
                     "payload-retention",
+                    "user-errors",
                     "metrics",
                 },
             },

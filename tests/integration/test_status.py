@@ -62,6 +62,18 @@ STATUS_SCHEMA: dict[str, Any] = {
             "episodes": dict.fromkeys(STATES, int),
             "trained_samples": int,
             "counters": dict.fromkeys(COUNTERS, int),
+            "status_reason": OPT_STR,
+            "paused": OPT_STR,
+        }
+    ],
+    "user_errors": [
+        {
+            "count": int,
+            "tasks": [str],
+            "error": str,
+            "location": str,
+            "last": str,
+            "last_at": OPT_STR,
         }
     ],
     "nodes": [

@@ -76,3 +76,56 @@ async def block_on_some(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
 
 async def good(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
     return Outcome(reward=await _turn(ctx, prompt))
+
+
+# -- for the unit tests of one run (tests/unit/test_agent_failures.py) -------------------------
+
+
+def _nan_judge(text: str) -> float:
+    return float("nan")
+
+
+async def step_nan(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    """A judge through ``ctx.step`` that comes out NaN."""
+    reply = await ctx.chat([{"role": "user", "content": "Grade me."}])
+    return Outcome(reward=await ctx.step(_nan_judge, reply.text))
+
+
+async def info_nan(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    await ctx.chat([{"role": "user", "content": "Hello."}])
+    return Outcome(reward=1.0, info={"ratio": float("nan")})
+
+
+async def waits(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    """One model call, then an ``await`` that never ends."""
+    await ctx.chat([{"role": "user", "content": "Hello."}])
+    await asyncio.Event().wait()
+    return Outcome(reward=1.0)
+
+
+async def sleeps_then_calls(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    """Blocks its thread for ``prompt["block_s"]``, then asks the model; writes what became of
+    its call to ``prompt["out"]``."""
+    from pathlib import Path
+
+    time.sleep(float(prompt["block_s"]))
+    got = "answered"
+    try:
+        await ctx.chat([{"role": "user", "content": "Am I late?"}])
+    except BaseException as e:  # cancelled (its timeout passed), or refused
+        got = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        Path(prompt["out"]).write_text(got)
+    return Outcome(reward=1.0)
+
+
+def _slow() -> int:
+    time.sleep(5)
+    return 1
+
+
+async def own_timeout(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    """A ``ctx.step`` whose own timeout passes: the agent's TimeoutError, not the episode's."""
+    await ctx.step(_slow, timeout_s=0.2)
+    return Outcome(reward=1.0)

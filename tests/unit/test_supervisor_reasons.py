@@ -65,3 +65,19 @@ def test_a_node_whose_constructor_raised_counts_against_its_budget() -> None:
     e = ActorDiedError(cause)  # as Ray raises it for a constructor that raised
     assert e.actor_init_failed and not _machine_lost(e)
     assert _death_reason(e).startswith("constructor raised FileNotFoundError")
+
+
+def test_a_node_declared_dead_is_described_by_the_words_its_row_keeps() -> None:
+    from orchestrator.runner.supervisor import _declared_dead
+
+    row = {"id": 7, "status": "dead", "status_reason": None}
+    # a breaker that tripped marks the row dead before the node's run returns: the supervisor
+    # read that as "declared dead by the control plane (hung)" (seen 2 in 6 restarts)
+    tripped = {**row, "status_reason": "breaker tripped: 3 episodes failed in a row (x)"}
+    assert _declared_dead(tripped, 7) == "breaker tripped: 3 episodes failed in a row (x)"
+    swept = {**row, "status_reason": "declared dead by the control plane (no heartbeat for 9 s)"}
+    assert _declared_dead(swept, 7) == swept["status_reason"]
+    assert _declared_dead(row, 7) == "declared dead by the control plane"
+    assert _declared_dead({**row, "status": "alive"}, 7) is None
+    assert _declared_dead(row, 8) is None  # an older incarnation's row
+    assert _declared_dead(None, 7) is None
