@@ -448,14 +448,15 @@ class RolloutConfig(StrictModel):
         "a reward) are the input's, never counted here",
     )
     failing_task_window: Annotated[int, b.EPISODES.field()] = Field(
-        default=8,
-        description="a task whose user code failed on more than half of the last this many "
-        "episodes a node ran is paused (rollcall task resume); 0: never (a wrong return type "
-        "still pauses at once)",
+        default=32,
+        description="a node pauses a task (rollcall task resume) when, of the last this many "
+        "episodes that ended on it, at least four fifths were quarantined because the task's "
+        "code failed every attempt (and a binomial test against half says so: six in a row, "
+        "26 of 32); 0: never (a wrong return type still pauses at once)",
     )
     failing_task_min_episodes: Annotated[int, b.ATTEMPTS.field()] = Field(
-        default=4,
-        description="episodes a node must have seen of a task before it may pause it",
+        default=6,
+        description="episodes that must have ended on a node before it may pause their task",
     )
 
     @model_validator(mode="after")

@@ -143,7 +143,8 @@ def paused_sentence(task: str, job: str, reason: str) -> str:
     """What an operator reads about a task the user-code guard paused: why, and how to go on."""
     return (
         f"task {task!r} paused: {reason}; fix the code, then `rollcall task resume {task} "
-        f"--job {job}`"
+        f"--job {job}` (rollout nodes load the fixed code when they start: `rollcall run CONFIG "
+        "--resume`)"
     )
 
 

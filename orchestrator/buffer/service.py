@@ -94,6 +94,7 @@ class UserFailure:
     quarantined: bool
     attempt: int
     retry_in_s: float | None
+    at: Any = None  # when (database clock)
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,8 @@ class Buffer:
         # What this writer has stored of each sample it holds: checkpoints append new turns.
         self._stored = StoredPrefixes()
         self._retained_through = -1  # payloads of steps up to this one were dropped
+        # NaN rewards stored by an older rollcall were looked for (the first batch claim)
+        self._nonfinite_checked = False
 
     # -- control plane ------------------------------------------------------------------------
 
@@ -563,6 +566,7 @@ class Buffer:
                     lease.episode_id, delay_s=delay, worker_id=lease.worker_id,
                     worker_delay_s=2 * delay,
                 )  # fmt: skip
+            at = tx.workers.db_now()
             attempt = f"attempt {row.attempts} of {self.config.max_attempts}"
             then = "quarantined" if quarantined else f"retried in {delay:.3g} s"
             tx.events.add(
@@ -584,19 +588,33 @@ class Buffer:
                     "retry_in_s": None if quarantined else delay,
                 },
             )
-            return UserFailure(quarantined, row.attempts, None if quarantined else delay)
+            return UserFailure(quarantined, row.attempts, None if quarantined else delay, at)
 
     @timed
     @retry_transient
-    def pause_task(self, task_id: int, reason: str, actor: str, payload: dict[str, Any]) -> bool:
+    def pause_task(
+        self,
+        task_id: int,
+        reason: str,
+        actor: str,
+        payload: dict[str, Any],
+        *,
+        failures_since: Any = None,
+    ) -> str:
         """Pause an active or draining task (the user-code guard: its code fails on most
         inputs), ``reason`` kept on the task (``rollcall status``, ``task show``), with a
-        ``task.paused`` event whose message says how to go on. False when the task was
-        neither active nor draining (nothing changed)."""
+        ``task.paused`` event whose message says how to go on. Returns ``paused``;
+        ``not_active`` when the task was neither active nor draining; ``resumed`` when an
+        operator resumed it after ``failures_since`` (the failures the guard counted are from
+        before the fix): nothing changed in those two cases."""
         with self.db.transaction() as tx:
+            if failures_since is not None:
+                resumed = tx.events.last_at(task_id, "task.resumed")
+                if resumed is not None and resumed >= failures_since:
+                    return "resumed"
             before = tx.tasks.pause_with_reason(task_id, reason)
             if before is None:
-                return False
+                return "not_active"
             task = tx.tasks.get(task_id)
             assert task is not None
             tx.events.add(
@@ -607,7 +625,7 @@ class Buffer:
                 task_id=task_id,
                 payload={"from": before, "to": "paused", "reason": reason, **payload},
             )
-            return True
+            return "paused"
 
     def _write_one(
         self,
@@ -753,7 +771,6 @@ class Buffer:
         for task_id, n in sorted(expired.items()):
             tx.episodes.bump_task_counter(task_id, "expired_groups", n)
         self._quarantine_ungenerated(tx)
-        self._quarantine_nonfinite(tx)
         return {names.get(t, str(t)): n for t, n in expired.items()}
 
     def _quarantine_ungenerated(self, tx: Tx) -> None:
@@ -815,68 +832,75 @@ class Buffer:
         ``min_groups``, nothing is reserved unless at least that many groups are available
         (the batch comes back empty): the trainer waits for a full batch."""
         with self.db.transaction() as tx:
-            tx.batches.lock_job_batches(self.job_id)
-            job = tx.batches.job_state(self.job_id)
-            self._check_driver(job.driver_epoch, f"claim the batch of step {step}")
-            if step != job.policy_version:
-                raise ConflictError(
-                    f"step {step} cannot be claimed: the job's policy version is "
-                    f"{job.policy_version}, so the next step is {job.policy_version}"
-                )
+            batch = self._claim_batch(tx, step, min_groups)
+        self._nonfinite_checked = True  # committed
+        return batch
+
+    def _claim_batch(self, tx: Tx, step: int, min_groups: int) -> Batch:
+        """``claim_batch`` inside its transaction."""
+        tx.batches.lock_job_batches(self.job_id)
+        job = tx.batches.job_state(self.job_id)
+        self._check_driver(job.driver_epoch, f"claim the batch of step {step}")
+        if step != job.policy_version:
+            raise ConflictError(
+                f"step {step} cannot be claimed: the job's policy version is "
+                f"{job.policy_version}, so the next step is {job.policy_version}"
+            )
+        if not self._nonfinite_checked:  # once per driver: only an older rollcall wrote them
             self._quarantine_nonfinite(tx, step)
-            reserved = tx.batches.reserved_groups(self.job_id, step)
-            if reserved:
-                tx.batches.mark_claimed(self.job_id, step)
-                ahead = self._take_prefetched(reserved)
-                groups = tx.batches.load_groups(reserved, ahead)
-                mix = job.pending_mix if job.pending_step == step and job.pending_mix else {}
-                return Batch(step, job.policy_version, tuple(groups), mix, True, {}, len(ahead))
+        reserved = tx.batches.reserved_groups(self.job_id, step)
+        if reserved:
+            tx.batches.mark_claimed(self.job_id, step)
+            ahead = self._take_prefetched(reserved)
+            groups = tx.batches.load_groups(reserved, ahead)
+            mix = job.pending_mix if job.pending_step == step and job.pending_mix else {}
+            return Batch(step, job.policy_version, tuple(groups), mix, True, {}, len(ahead))
 
-            tasks = tx.batches.trainable_tasks(self.job_id)
-            expired_by_task = self._expire(tx, job.policy_version, tasks)
-            expired = {t.id: expired_by_task.get(t.name, 0) for t in tasks}
+        tasks = tx.batches.trainable_tasks(self.job_id)
+        expired_by_task = self._expire(tx, job.policy_version, tasks)
+        expired = {t.id: expired_by_task.get(t.name, 0) for t in tasks}
 
-            available = tx.batches.available_groups(self.job_id, job.policy_version)
-            last = tx.batches.last_step(self.job_id)
-            carry = {
-                int(k): float(v.get("carry", 0.0))
-                for k, v in (last.task_mix if last else {}).items()
-                if isinstance(v, dict)
-            }
-            alloc = allocate_batch(
-                {t.id: t.weight for t in tasks}, available, carry, self.config.batch_groups
-            )
-            if (found := sum(alloc.groups.values())) < min_groups:
-                return Batch(
-                    step, job.policy_version, (), {}, False, expired_by_task,
-                    shortfall=min_groups - found,
-                )  # fmt: skip
-            by_id = {t.id: t for t in tasks}
-            ids = tx.batches.reserve_groups(
-                step,
-                job.policy_version,
-                [(t, n, by_id[t].max_staleness) for t, n in sorted(alloc.groups.items()) if n > 0],
-            )
-            mix = {
-                str(t.id): {
-                    "name": t.name,
-                    "groups": alloc.groups.get(t.id, 0),
-                    "target": round(alloc.targets.get(t.id, 0.0), 6),
-                    "carry": round(alloc.carry.get(t.id, 0.0), 6),
-                    "shortfall": round(alloc.shortfall.get(t.id, 0.0), 6),
-                    "available": available.get(t.id, 0),
-                    "expired": expired.get(t.id, 0),
-                }
-                for t in tasks
-            }
-            if ids:
-                tx.batches.mark_claimed(self.job_id, step)
-                tx.batches.set_pending(self.job_id, step, mix)
-            ahead = self._take_prefetched(ids)
-            groups = tx.batches.load_groups(ids, ahead)
+        available = tx.batches.available_groups(self.job_id, job.policy_version)
+        last = tx.batches.last_step(self.job_id)
+        carry = {
+            int(k): float(v.get("carry", 0.0))
+            for k, v in (last.task_mix if last else {}).items()
+            if isinstance(v, dict)
+        }
+        alloc = allocate_batch(
+            {t.id: t.weight for t in tasks}, available, carry, self.config.batch_groups
+        )
+        if (found := sum(alloc.groups.values())) < min_groups:
             return Batch(
-                step, job.policy_version, tuple(groups), mix, False, expired_by_task, len(ahead)
-            )
+                step, job.policy_version, (), {}, False, expired_by_task,
+                shortfall=min_groups - found,
+            )  # fmt: skip
+        by_id = {t.id: t for t in tasks}
+        ids = tx.batches.reserve_groups(
+            step,
+            job.policy_version,
+            [(t, n, by_id[t].max_staleness) for t, n in sorted(alloc.groups.items()) if n > 0],
+        )
+        mix = {
+            str(t.id): {
+                "name": t.name,
+                "groups": alloc.groups.get(t.id, 0),
+                "target": round(alloc.targets.get(t.id, 0.0), 6),
+                "carry": round(alloc.carry.get(t.id, 0.0), 6),
+                "shortfall": round(alloc.shortfall.get(t.id, 0.0), 6),
+                "available": available.get(t.id, 0),
+                "expired": expired.get(t.id, 0),
+            }
+            for t in tasks
+        }
+        if ids:
+            tx.batches.mark_claimed(self.job_id, step)
+            tx.batches.set_pending(self.job_id, step, mix)
+        ahead = self._take_prefetched(ids)
+        groups = tx.batches.load_groups(ids, ahead)
+        return Batch(
+            step, job.policy_version, tuple(groups), mix, False, expired_by_task, len(ahead)
+        )
 
     def _check_driver(self, current: int, action: str) -> None:
         if self.driver_epoch is not None and current != self.driver_epoch:

@@ -70,6 +70,8 @@ WAIT_POLL_S = 0.25
 NODE_STOP_TIMEOUT_S = 60.0
 # How often the driver reads the nodes' new user-code failures (orchestrator/runner/usererrors)
 USER_ERRORS_INTERVAL_S = 1.0
+# How often the wait for a batch looks whether every task is paused (_check_tasks_left)
+TASKS_CHECK_INTERVAL_S = 2.0
 # How long a step's bookkeeping waits for the rollout nodes' reports (_node_metrics).
 NODE_REPORT_WAIT_S = 10.0
 # A control-plane run that starts late (a loaded machine) still runs unless it is this late
@@ -124,6 +126,7 @@ class JobDriver(TrainerControl):
         self.actor = actor
         self.supervisor: Any = None
         self.user_errors: UserErrorReport | None = None  # user-code failures, as they come
+        self._tasks_checked_at = 0.0  # when the wait for a batch last looked at the tasks
         weights = config.trainer.weights
         self.broadcaster = (
             Broadcaster(weights, config.trainer.device)
@@ -602,6 +605,10 @@ class JobDriver(TrainerControl):
         errors are shown); it continues with ``--resume`` once the tasks are resumed."""
         from orchestrator.domain import TaskStatus, paused_sentence
 
+        now = time.monotonic()
+        if now - self._tasks_checked_at < TASKS_CHECK_INTERVAL_S:
+            return
+        self._tasks_checked_at = now
         tasks = self.buffer.tasks()
         if not tasks or any(t.status is not TaskStatus.PAUSED for t in tasks):
             return

@@ -9,7 +9,9 @@ job of the driver) reads the events that are new since it last looked and:
   ``file:line``, and writes its traceback to driver.log;
 - counts later occurrences (each one a line in driver.log) and prints how many more there were
   at most every ``repeat_every_s`` while they keep coming, without the input-specific message;
-- prints every pause of a task by the guard, with the sentence that says how to go on.
+- prints every pause of a task by the guard, with the sentence that says how to go on;
+- prints each group quarantined at a batch claim for a NaN or infinite reward (stored by an
+  older rollcall, before rewards were checked where they are produced).
 
 ``close()`` prints the counts not yet printed. The events stay in PostgreSQL, where ``rollcall
 events`` and ``rollcall status`` show them after the run too.
@@ -28,13 +30,14 @@ from orchestrator.domain import EventView
 
 log = logging.getLogger(__name__)
 
-KINDS = ("episode.user_error", "task.paused")
+KINDS = ("episode.user_error", "task.paused", "episode.quarantined")
+LOOKBACK_IDS = 1000
 REPEAT_EVERY_S = 60.0
 
 
 @dataclass
 class _Seen:
-    task: str
+    tasks: list[str]
     head: str
     location: str
     count: int = 1
@@ -53,20 +56,33 @@ class UserErrorReport:
     ) -> None:
         self._events_after = events_after
         self._after = after_id  # only what happens in this run
+        self._top = after_id  # the highest id read
+        self._read: set[int] = set()  # ids read, above _top - LOOKBACK_IDS
         self._say = say
         self.repeat_every_s = repeat_every_s
         self._seen: dict[str, _Seen] = {}
         self._lock = threading.Lock()
 
     def poll(self) -> None:
+        """Read what is new. Event ids come from a sequence and concurrent transactions commit
+        out of order, so an event may appear below the highest id already read: each poll
+        reads again from ``LOOKBACK_IDS`` below it and skips the ids it has seen."""
         with self._lock:
+            floor = max(self._after, self._top - LOOKBACK_IDS)
+            cursor = floor
             while True:
-                batch = self._events_after(self._after, KINDS)
+                batch = self._events_after(cursor, KINDS)
                 for e in batch:
-                    self._after = max(self._after, e.id)
+                    cursor = max(cursor, e.id)
+                    if e.id in self._read:
+                        continue
+                    self._read.add(e.id)
+                    self._top = max(self._top, e.id)
                     self._one(e)
                 if len(batch) < 500:
                     break
+            keep = self._top - LOOKBACK_IDS
+            self._read = {i for i in self._read if i > keep}
             self._repeats(time.monotonic(), final=False)
 
     def close(self) -> None:
@@ -86,6 +102,10 @@ class UserErrorReport:
 
     def _one(self, e: EventView) -> None:
         p: dict[str, Any] = e.payload
+        if e.kind == "episode.quarantined":  # shown: a NaN reward stored by an older rollcall
+            if p.get("reason") == "non-finite reward":
+                self._say(e.message)
+            return
         if e.kind == "task.paused":
             if p.get("reason"):  # paused by the guard (an operator's pause has no reason)
                 self._say(e.message)
@@ -96,7 +116,7 @@ class UserErrorReport:
         seen = self._seen.get(signature)
         if seen is None:
             self._seen[signature] = _Seen(
-                task, str(p.get("head", "")), str(p.get("location", "")),
+                [task], str(p.get("head", "")), str(p.get("location", "")),
                 printed_at=time.monotonic(),
             )  # fmt: skip
             where = f" ({p['location']})" if p.get("location") else ""
@@ -109,6 +129,8 @@ class UserErrorReport:
             log.warning("%s\n%s", e.message, p.get("traceback", ""))
             return
         seen.count += 1
+        if task not in seen.tasks:
+            seen.tasks.append(task)
         log.warning("%s", e.message)
 
     def _repeats(self, now: float, *, final: bool) -> None:
@@ -117,5 +139,6 @@ class UserErrorReport:
             if new <= 0 or (not final and now - s.printed_at < self.repeat_every_s):
                 continue
             where = f" at {s.location}" if s.location else ""
-            self._say(f"{s.task}: {s.head}{where}: {new} more time(s), {s.count} in all")
+            tasks = ",".join(s.tasks)
+            self._say(f"{tasks}: {s.head}{where}: {new} more time(s), {s.count} in all")
             s.printed, s.printed_at = s.count, now

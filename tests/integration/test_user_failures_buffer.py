@@ -103,21 +103,28 @@ def test_a_task_paused_by_the_guard_keeps_its_reason_until_resumed(
     ids = add_tasks(db, {"name": "a"})
     buf = make_buffer(db)
     reason = "its code failed on 5 of its last 8 episodes (most often, 5 times: x at y)"
-    assert buf.pause_task(ids["a"], reason, "rollout-0 (user-code guard)", {"failed": 5})
-    assert not buf.pause_task(ids["a"], reason, "rollout-0 (user-code guard)", {})  # paused
+    guard = "rollout-0 (user-code guard)"
+    assert buf.pause_task(ids["a"], reason, guard, {"failed": 5}) == "paused"
+    assert buf.pause_task(ids["a"], reason, guard, {}) == "not_active"  # paused already
     task = buf.tasks()[0]
     assert task.status.value == "paused" and task.status_reason == reason
     message, actor, p = rows(engine, "SELECT message, actor, payload FROM events "
                              "WHERE kind = 'task.paused'")[0]  # fmt: skip
     assert message == (
-        f"task 'a' paused: {reason}; fix the code, then `rollcall task resume a --job default`"
+        f"task 'a' paused: {reason}; fix the code, then `rollcall task resume a --job default` "
+        "(rollout nodes load the fixed code when they start: `rollcall run CONFIG --resume`)"
     )
     assert actor == "rollout-0 (user-code guard)" and p["failed"] == 5 and p["from"] == "active"
     status = cli("status", "--job", "default")
     assert f"task 'a' paused: {reason}" in status.out, status.out
+    with db.transaction() as tx:
+        before_resume = tx.workers.db_now()
     r = cli("task", "resume", "a")
     assert r.code == 0, r.err
     assert buf.tasks()[0].status_reason is None
+    # a node whose counted failures are from before the resume does not pause it again
+    assert buf.pause_task(ids["a"], reason, guard, {}, failures_since=before_resume) == "resumed"
+    assert buf.tasks()[0].status.value == "active"
     with db.transaction() as tx:  # an operator's own pause carries no reason
         change_status(tx, job_name="default", name="a", action="pause", actor="op")
     assert buf.tasks()[0].status_reason is None
@@ -151,7 +158,9 @@ def test_nan_rewards_already_stored_are_quarantined_never_batched(
     _nan(engine, first)
     _nan(engine, claims[2].lease.episode_id, "Infinity")  # type: ignore[union-attr]
     buf.release_trainer_claims()
-    batch = buf.claim_batch(0, min_groups=2)  # replays step 0: the NaN group is gone
+    # a new driver (--resume) replays step 0: the NaN group is gone
+    buf = make_buffer(db, batch_groups=2)
+    batch = buf.claim_batch(0, min_groups=2)
     got = {g.episode_id for g in batch.groups}
     assert first not in got and claims[2].lease.episode_id not in got  # type: ignore[union-attr]
     assert got == {second, claims[3].lease.episode_id}  # type: ignore[union-attr]

@@ -129,3 +129,33 @@ async def own_timeout(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
     """A ``ctx.step`` whose own timeout passes: the agent's TimeoutError, not the episode's."""
     await ctx.step(_slow, timeout_s=0.2)
     return Outcome(reward=1.0)
+
+
+async def lets_cancel_escape(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    """Cancels a task of its own and awaits it: a ``CancelledError`` leaves the function."""
+    task = asyncio.ensure_future(asyncio.sleep(10))
+    await asyncio.sleep(0)
+    task.cancel()
+    await task
+    return Outcome(reward=1.0)
+
+
+async def bad_request(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    """Sends the endpoint a request it cannot serve (``n`` not a number); its reward is the
+    HTTP status it got back."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    body = {"model": "policy", "messages": [{"role": "user", "content": "Hi."}], "n": "two"}
+    request = urllib.request.Request(
+        f"{ctx.base_url}/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {ctx.api_key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            status = r.status
+    except urllib.error.HTTPError as e:
+        status = e.code
+    return Outcome(reward=float(status))

@@ -72,7 +72,7 @@ def test_a_nan_from_a_recorded_step_fails_the_sample_not_the_checkpoint(
     assert isinstance(e.__cause__, AgentUsageError)
     assert "ctx.step(_nan_judge)" in e.message and "not finite (NaN or infinity)" in e.message
     e = _fails(tiny_engine, _spec(tmp_path, "info_nan"), {"i": 0})
-    assert "Outcome.info must be a JSON-ready dict with finite numbers" in e.message
+    assert "Outcome.info must be JSON with finite numbers" in e.message
 
 
 def test_a_wrong_return_type_is_input_independent(tiny_engine: Any, tmp_path: Path) -> None:
@@ -107,7 +107,9 @@ def test_an_agent_blocking_its_thread_is_abandoned_and_generates_nothing_later(
         _run(engine, spec, {"i": 0, "block_s": 4, "out": str(out)})
     assert time.monotonic() - t0 < 3.5  # given up at 1 + 0.5 s, not after the 4 s block
     message, location = e.value.message, e.value.location
-    assert "could not be cancelled: its thread is blocked in synchronous code" in message
+    assert "could not be cancelled within 0.5 s more: its thread is blocked in synchronous" in (
+        message
+    )
     assert location.endswith(" in sleeps_then_calls"), location  # where it is blocked
     deadline = time.monotonic() + 30
     while not out.exists() and time.monotonic() < deadline:
@@ -164,7 +166,7 @@ class _BadReward(EchoTask):
     def reward(self, spec: Any, prompt: Any, answer: Any, state: Any, turns: int) -> float:
         if isinstance(self.value, Exception):
             raise self.value
-        return self.value  # type: ignore[no-any-return]
+        return self.value
 
 
 @pytest.mark.parametrize(
@@ -209,3 +211,37 @@ def test_rollout_preview_shows_a_failing_episode_and_goes_on(
     assert "episode 0: failed in the task's code" in r.out
     assert "the agent raised RuntimeError: inventory service returned 500 for SKU-0" in r.out
     assert "in check_stock" in r.out and "episode 1: reward" in r.out
+
+
+def test_a_function_that_cannot_be_called_so_fails_on_every_input(
+    tiny_engine: Any, tmp_path: Path
+) -> None:
+    from workers.agents.runtime import AgentContext
+
+    async def takes_one(ctx: Any) -> None:  # its signature changed after it was checked
+        return None
+
+    spec = _spec(tmp_path, "good")
+    with ToolRunner() as runner:
+        run = AgentRun(tiny_engine, chat_for(tiny_engine.tokenizer), spec, {"i": 0}, runner,
+                       Limits())  # fmt: skip
+        with pytest.raises(UserCodeError) as e:
+            run._play(takes_one, AgentContext(run, [], None, None))
+    assert e.value.input_independent and "raised TypeError" in e.value.message
+
+
+def test_a_cancelled_error_out_of_the_agent_is_its_own_failure(
+    tiny_engine: Any, tmp_path: Path
+) -> None:
+    # it left the node's loop as a BaseException: the episode given back uncounted and the
+    # loop thread dead, on every node that claimed the prompt
+    e = _fails(tiny_engine, _spec(tmp_path, "lets_cancel_escape"), {"i": 0})
+    assert e.message == "the agent raised CancelledError" and not e.input_independent
+
+
+def test_a_request_the_endpoint_cannot_serve_is_the_agents_400_not_the_nodes_failure(
+    tiny_engine: Any, tmp_path: Path
+) -> None:
+    # it was answered 503 and recorded as the engine's failure: the node's breaker counted it
+    out = _run(tiny_engine, _spec(tmp_path, "bad_request"), {"i": 0})
+    assert out.reward == 400.0

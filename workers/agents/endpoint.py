@@ -136,9 +136,13 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             self._send(*complete(ctx, body))
-        except Exception as e:  # the engine failed: the agent's call fails, the node decides
-            ctx.failure = e
-            self._send(*_error(503, f"{type(e).__name__}: {e}", "engine_error"))
+        except Exception as e:
+            if ctx.failure is not None:  # the engine or the checkpoint failed (it set it): the
+                # agent's call fails, and the node decides
+                self._send(*_error(503, f"{type(e).__name__}: {e}", "engine_error"))
+            else:  # the request could not be served as sent (a template that refuses its
+                # messages, a bad value): the agent's to handle, as from ctx.chat
+                self._send(*_error(400, f"{type(e).__name__}: {e}", "invalid_request"))
 
 
 class Endpoint:

@@ -24,6 +24,7 @@ import hashlib
 import inspect
 import json
 import logging
+import numbers
 import secrets
 import sys
 import threading
@@ -33,7 +34,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from tasks.agent import AGENT_FILE_MODULE, DEFAULT_EPISODE_TIMEOUT_S, AgentSpec, load_agent
+from tasks.agent import (
+    AGENT_FILE_MODULE,
+    DEFAULT_EPISODE_TIMEOUT_S,
+    AgentSpec,
+    AgentSpecError,
+    load_agent,
+)
 from tasks.base import Tool
 from workers.agents.api import (
     AgentUsageError,
@@ -50,7 +57,13 @@ from workers.rollout.engines.base import Engine, GenerationRequest
 from workers.rollout.toolcalls import Answer, Malformed
 from workers.rollout.toolcalls import ToolCall as ParsedCall
 from workers.rollout.tools import ToolRunner
-from workers.rollout.usercode import UserCodeError, check_reward, code_location, stack_location
+from workers.rollout.usercode import (
+    UserCodeError,
+    check_json,
+    check_reward,
+    code_location,
+    stack_location,
+)
 
 log = logging.getLogger(__name__)
 
@@ -588,6 +601,11 @@ async def _bounded(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], timeo
     return value
 
 
+class _CallFailed(Exception):
+    """Calling the agent function itself failed (``fn(ctx, prompt)`` raised ``TypeError``
+    before its body ran): it cannot be called so on any input."""
+
+
 class AgentRun:
     """One sample of an agent task, played (or replayed) by its agent function."""
 
@@ -617,6 +635,7 @@ class AgentRun:
         self.on_divergence = on_divergence
         self.stats = CallStats()
         self.divergences = 0
+        self.abandoned = False  # a run of the function could not be cancelled: left behind
 
     def endpoint_url(self) -> str:
         from workers.agents.endpoint import shared_endpoint
@@ -634,7 +653,10 @@ class AgentRun:
         resume: Any = None,
         on_turn: Callable[[Trajectory], None] | None = None,
     ) -> LoopOutcome:
-        fn = load_agent(self.spec.agent)
+        try:
+            fn = load_agent(self.spec.agent)
+        except AgentSpecError as e:  # it does not import here (its file or a module it needs)
+            raise UserCodeError(str(e), kind="raised", head="the agent does not load") from e
         saved = Trajectory.from_payload(resume) if resume is not None else None
         record = list(saved.state.get(JOURNAL, [])) if saved is not None else []
         while True:
@@ -680,8 +702,12 @@ class AgentRun:
                 return 0.0, "diverged", {}
             if ctx.failure is not None:  # the endpoint's call failed (engine, lease): that
                 raise ctx.failure from None  # is the failure, not the agent's reaction to it
-            if isinstance(e, UserCodeError) or not isinstance(e, Exception | SystemExit):
+            if isinstance(e, UserCodeError | KeyboardInterrupt):
                 raise
+            if isinstance(e, _CallFailed):
+                cause = e.__cause__ or e
+                raise UserCodeError.raised("the agent", cause, fn, input_independent=True) from e
+            # anything else came out of the agent's own thread: CancelledError, SystemExit too
             raise UserCodeError.raised("the agent", e, fn) from e
         finally:
             ctx.closed = ctx.closed or "it returned"
@@ -692,27 +718,26 @@ class AgentRun:
         if isinstance(result, Outcome):
             reward = check_reward(result.reward, "the agent's reward", fn)
             info = result.info
-            try:
-                if not isinstance(info, dict):
-                    raise TypeError(f"it is a {type(info).__name__}, not a dict")
-                json.dumps(info, allow_nan=False)
-            except (TypeError, ValueError) as e:
+            if not isinstance(info, dict):
                 raise UserCodeError(
-                    f"the agent's Outcome.info must be a JSON-ready dict with finite numbers ({e})",
+                    f"the agent's Outcome.info is a {type(info).__name__}, not a dict",
                     location=code_location(fn),
                     kind="returned",
-                    head="the agent's Outcome.info is not JSON-ready",
-                ) from None
+                    head="the agent's Outcome.info is not a dict",
+                )
+            check_json(info, "the agent's Outcome.info", fn)
             return reward, "returned", dict(info)
-        if isinstance(result, int | float) and not isinstance(result, bool):
+        if isinstance(result, numbers.Real) and not isinstance(result, bool):
             return check_reward(result, "the agent's reward", fn), "returned", {}
         raise UserCodeError(
             f"the agent {self.spec.agent} returned {type(result).__name__}, not an Outcome (or "
             "a number)",
             location=code_location(fn),
             kind="returned",
-            head="the agent returned the wrong type",
-            input_independent=True,
+            head=f"the agent returned {type(result).__name__}",
+            # a value of the wrong type is a programming error; None may be a branch that
+            # forgot its return, taken on some inputs only
+            input_independent=result is not None,
         )
 
     def _call(self, fn: Callable[..., Any], ctx: AgentContext) -> Any:
@@ -728,8 +753,12 @@ class AgentRun:
         async def main() -> Any:
             deadline = asyncio.timeout(timeout)
             try:
+                coroutine = fn(ctx, dict(self.prompt))
+            except TypeError as e:  # it cannot be called as fn(ctx, prompt): on every input
+                raise _CallFailed(e) from e
+            try:
                 async with deadline:
-                    result = await fn(ctx, dict(self.prompt))
+                    result = await coroutine
             except TimeoutError as e:
                 if not deadline.expired():
                     raise  # the agent's own (a ctx.step's timeout, say)
@@ -755,11 +784,12 @@ class AgentRun:
             frame = sys._current_frames().get(thread.ident or 0)
             ctx.closed = f"it did not finish within {timeout:g} s"
             stack = traceback.extract_stack(frame) if frame is not None else []
+            self.abandoned = True
             raise UserCodeError(
                 f"the agent did not finish within {timeout:g} s (spec.episode_timeout_s) and "
-                "could not be cancelled: its thread is blocked in synchronous code (a blocking "
-                "call, time.sleep, a busy loop; run it with ctx.step or ctx.tool); the thread is "
-                "abandoned",
+                f"could not be cancelled within {CANCEL_GRACE_S:g} s more: its thread is blocked "
+                "in synchronous code (a blocking call, time.sleep, a busy loop; run it with "
+                "ctx.step or ctx.tool) or waits for a thread it started; the thread is abandoned",
                 location=stack_location(stack) or code_location(fn),
                 trace="".join(traceback.format_list(stack)),
                 kind="timeout",

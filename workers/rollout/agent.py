@@ -30,7 +30,7 @@ from workers.rollout.chat import Chat, chat_for
 from workers.rollout.engines.base import Engine, GenerationRequest
 from workers.rollout.toolcalls import Answer, Malformed, ToolCall
 from workers.rollout.tools import ToolRunner
-from workers.rollout.usercode import check_reward, user_call
+from workers.rollout.usercode import check_json, check_reward, user_call
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,7 @@ class AgentLoop:
     def start(self) -> Trajectory:
         state = user_call("the task's initial state", self.plugin.initial_state, self.spec,
                           self.prompt)  # fmt: skip
+        check_json(state, "the task's initial state", self.plugin.initial_state)
         t = Trajectory(state=state)
         ids = self.chat.prompt_ids(self._tools, self._instructions)
         t.append(ids, generated=False)
@@ -188,6 +189,7 @@ class AgentLoop:
                     self.plugin, self.spec, self.prompt, t.state, action.name, action.arguments
                 )
                 observation, t.state, done = result.observation, result.state, result.done
+                check_json(t.state, "the task's state after a tool call", self.plugin.call_tool)
         if done:  # the environment ended the episode (e.g. the game was won)
             t.finished, t.stop_reason = True, "environment"
             return

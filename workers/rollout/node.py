@@ -65,7 +65,7 @@ from workers.rollout.engines.base import (
 )
 from workers.rollout.engines.batching import BatchingEngine
 from workers.rollout.engines.factory import make_engine, preload
-from workers.rollout.guard import TaskGuard
+from workers.rollout.guard import TaskGuard, Verdict
 from workers.rollout.tools import ToolRunner
 from workers.rollout.usercode import UserCodeError
 
@@ -103,11 +103,12 @@ class NodeConfig:
     db_connections: int = 8
     # User code that fails on an episode's input (``workers.rollout.usercode``): the episode is
     # claimable again after retry_backoff_s * 2^(attempts-1) (twice that on this node), and a
-    # task whose code fails on more than half of its last failing_task_window episodes (at
-    # least failing_task_min_episodes seen; 0: off) is paused (``workers.rollout.guard``)
+    # task whose code fails on most inputs is paused: judged from the final outcomes of the last
+    # failing_task_window episodes (at least failing_task_min_episodes; 0: off) that ended on
+    # this node (``workers.rollout.guard``)
     retry_backoff_s: float = 2.0
-    failing_task_window: int = 8
-    failing_task_min_episodes: int = 4
+    failing_task_window: int = 32
+    failing_task_min_episodes: int = 6
     # PostgreSQL ends a session of the node left idle inside a transaction this long: a node
     # stopped mid-transaction (SIGSTOP, a frozen machine) would otherwise keep its worker row
     # locked, the dead-worker sweep skip it, and the node never be declared dead. The driver
@@ -190,6 +191,8 @@ class NodeStats:
     agent_generations: int = 0  # ... chat calls that ran the engine
     agent_divergences: int = 0  # ... replays that diverged (the sample restarted from scratch)
     user_errors: int = 0  # episodes failed by user code (the input's fault, not the node's)
+    agent_runs_abandoned: int = 0  # agent runs past their timeout that could not be cancelled
+    # (their threads are left to end on their own: each one still holds what it holds)
     tasks_paused: int = 0  # tasks this node paused because their code failed on most inputs
     weights_received: int = 0  # versions loaded from a broadcast (collective transport)
     weights_receive_failed: int = 0  # broadcasts that did not complete here
@@ -470,13 +473,11 @@ class RolloutNode:
             plugin = registry.get(claim.plugin)
             spec = plugin.Spec.model_validate(claim.spec)
             tools.preload(type(plugin).__module__)
-        except Exception as e:  # the task cannot be read here (its agent no longer imports):
-            log.exception("episode %s cannot be started", lease.episode_id)  # on every input
+        except Exception as e:  # the task cannot be read here (its agent does not import):
+            log.exception("episode %s cannot be started", lease.episode_id)  # its code's fault
             with self._lock:
                 self._active.discard((lease.episode_id, lease.epoch))
-            error = UserCodeError.raised("the task's spec", e)
-            error.input_independent = True
-            self._user_failed(claim, None, error)
+            self._user_failed(claim, None, UserCodeError.raised("the task's spec", e))
             return None
         limits = Limits(
             max_turns=spec.max_turns,
@@ -543,6 +544,7 @@ class RolloutNode:
                         self.stats.agent_calls_replayed += loop.stats.replayed
                         self.stats.agent_calls_live += loop.stats.live
                         self.stats.agent_generations += loop.stats.generated
+                        self.stats.agent_runs_abandoned += int(loop.abandoned)
             t = outcome.trajectory
             info = {"turns": outcome.turns, "stop_reason": t.stop_reason, "answer": t.answer}
             if isinstance(loop, AgentRun):
@@ -648,38 +650,53 @@ class RolloutNode:
             "sample": sample_index,
             "worker": self.config.name,
         }
+        outcome = None
         try:
-            self.buffer.fail_user_code(lease, failure, backoff_s=self.config.retry_backoff_s)
-            released = True
+            outcome = self.buffer.fail_user_code(
+                lease, failure, backoff_s=self.config.retry_backoff_s
+            )
         except StaleLeaseError:
-            released = False
+            pass
         except Exception:  # the database is away: the lease is swept like any other
             log.warning("could not release episode %s", lease.episode_id, exc_info=True)
-            released = False
         with self._lock:
             self.stats.user_errors += 1
-            if released:
+            if outcome is not None:
                 self.stats.episodes_released += 1
             else:
                 self.stats.episodes_abandoned += 1
-            verdict = self._guard.record(lease.task_id, lease.episode_id, error)
-        if verdict is None:
-            return
+            # the guard counts an episode's final outcome (quarantined here), or at once a
+            # failure that cannot depend on the input
+            final = outcome is not None and outcome.quarantined
+            verdict = None
+            if final or error.input_independent:
+                at = outcome.at if outcome is not None else None
+                verdict = self._guard.record(lease.task_id, lease.episode_id, error, at)
+        if verdict is not None:
+            self._pause(claim, verdict, error)
+
+    def _pause(self, claim: ClaimedEpisode, verdict: Verdict, error: UserCodeError) -> None:
+        """Pause the task (the guard's verdict), unless it was resumed since the failures the
+        verdict counts; either way the guard judges the task afresh from here."""
+        task_id = claim.lease.task_id
         try:
-            paused = self.buffer.pause_task(
-                lease.task_id,
+            result = self.buffer.pause_task(
+                task_id,
                 verdict.sentence(),
                 f"{self.config.name} (user-code guard)",
                 {"error": verdict.error, "location": verdict.location, "failed": verdict.failed,
                  "seen": verdict.seen, "signature": error.signature,
                  "input_independent": verdict.input_independent},
+                failures_since=verdict.since,
             )  # fmt: skip
         except Exception:
             log.warning("could not pause task %s", claim.task_name, exc_info=True)
             return
-        if paused:
-            with self._lock:
+        with self._lock:
+            self._guard.forget(task_id)
+            if result == "paused":
                 self.stats.tasks_paused += 1
+        if result == "paused":
             log.error("paused task %s: %s", claim.task_name, verdict.sentence())
 
     def _finish(self, work: _Work) -> None:

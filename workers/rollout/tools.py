@@ -27,6 +27,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.spawn
 import resource
+import threading
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -134,7 +135,10 @@ async def _awaited(value: Any) -> Any:
 
 
 class ToolRunner:
-    """One isolated tool process; ``call`` is safe to use from one thread at a time."""
+    """One isolated tool process. Calls take turns (a lock): an agent run abandoned after its
+    episode timeout may still have a call in flight on its own thread, and the loop's next
+    episode must neither read that call's answer nor have its own read by it; it waits for
+    that call (bounded by the call's timeout) instead."""
 
     def __init__(
         self, timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int = DEFAULT_MEMORY_MB
@@ -146,6 +150,7 @@ class ToolRunner:
         self._proc: Any = None
         self._conn: Connection | None = None
         self.restarts = 0
+        self._turn = threading.Lock()
 
     def _ensure(self) -> Connection:
         if self._proc is None or not self._proc.is_alive() or self._conn is None:
@@ -179,6 +184,18 @@ class ToolRunner:
     ) -> ToolResult:
         if not isinstance(arguments, dict):
             return ToolResult("error: tool arguments must be a JSON object", state, False, True)
+        with self._turn:
+            return self._call(plugin, spec, prompt, state, name, arguments)
+
+    def _call(
+        self,
+        plugin: TaskPlugin,
+        spec: TaskSpec,
+        prompt: dict[str, Any],
+        state: dict[str, Any],
+        name: str,
+        arguments: dict[str, Any],
+    ) -> ToolResult:
         conn = self._ensure()
         try:
             conn.send((plugin, spec, prompt, state, name, arguments))
@@ -220,11 +237,15 @@ class ToolRunner:
         killed and replaced at the next call."""
         from ray import cloudpickle
 
-        name = name or getattr(fn, "__name__", "tool")
+        name = str(name or getattr(fn, "__name__", "tool"))
         try:
             payload = cloudpickle.dumps((fn, args, kwargs))
         except Exception as e:
             return False, f"the tool {name!r} cannot be sent to its process ({e})"
+        with self._turn:
+            return self._call_function(payload, timeout_s, name)
+
+    def _call_function(self, payload: bytes, timeout_s: float, name: str) -> tuple[bool, Any]:
         conn = self._ensure()
         try:
             conn.send(("function", payload))

@@ -20,6 +20,7 @@ relative to it.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import numbers
 import os
@@ -133,22 +134,27 @@ class UserCodeError(Exception):
         super().__init__(f"{self.message} ({location})" if location else self.message)
 
     @classmethod
-    def raised(cls, who: str, error: BaseException, fallback: Any = None) -> UserCodeError:
-        """``who`` (``the agent``, ``the task's reward``) raised ``error``. A ``TypeError`` that
-        no frame of the user's code raised (calling the function itself failed) is
-        input-independent."""
+    def raised(
+        cls,
+        who: str,
+        error: BaseException,
+        fallback: Any = None,
+        *,
+        input_independent: bool = False,
+    ) -> UserCodeError:
+        """``who`` (``the agent``, ``the task's reward``) raised ``error``; where: the innermost
+        frame in the user's files, else where ``fallback`` (the function) is defined."""
         user = [f for f in _frames(error) if _is_user_file(f.filename)]
         location = stack_location(user)
         if not location and fallback is not None:
             location = code_location(fallback)
-        call_failed = isinstance(error, TypeError) and not user
         return cls(
             f"{who} raised {describe(error)}",
             location=location,
             trace=user_traceback(error),
             kind="raised",
             head=f"{who} raised {type(error).__name__}",
-            input_independent=call_failed,
+            input_independent=input_independent,
         )
 
     @property
@@ -210,3 +216,17 @@ def user_call(who: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise
     except Exception as e:
         raise UserCodeError.raised(who, e, fn) from e
+
+
+def check_json(value: Any, who: str, fn: Any) -> None:
+    """``value`` must go into PostgreSQL's ``jsonb``: JSON, numbers finite (else the checkpoint
+    that stores it would fail, as the node's failure)."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise UserCodeError(
+            f"{who} must be JSON with finite numbers ({e})",
+            location=code_location(fn),
+            kind="returned",
+            head=f"{who} is not JSON",
+        ) from None

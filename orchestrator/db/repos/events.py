@@ -67,6 +67,12 @@ class EventRepository:
         )
         return [event_view(e) for e in self.session.scalars(q)]
 
+    def last_at(self, task_id: int, kind: str) -> datetime | None:
+        """When the task's latest event of ``kind`` was recorded (None: never)."""
+        return self.session.scalar(
+            select(func.max(Event.created_at)).where(Event.task_id == task_id, Event.kind == kind)
+        )
+
     def last_id(self) -> int:
         return int(self.session.scalar(select(func.coalesce(func.max(Event.id), 0))) or 0)
 
