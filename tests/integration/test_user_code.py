@@ -292,7 +292,7 @@ def test_an_agent_awaiting_forever_is_cancelled_at_the_episode_timeout(
     ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, cli: Any, tmp_path: Path
 ) -> None:
     config = write_config(
-        tmp_path, tiny_dir, f"{AGENTS}:hang_on_some", steps=6, spec={"episode_timeout_s": 3}
+        tmp_path, tiny_dir, f"{AGENTS}:hang_on_some", steps=6, spec={"episode_timeout_s": 6}
     )
     r = cli("run", str(config), "--no-live")
     print(r.out, r.err)
@@ -303,7 +303,7 @@ def test_an_agent_awaiting_forever_is_cancelled_at_the_episode_timeout(
     assert errors
     for message, payload in errors:
         assert bad_index(payload), payload
-        assert "did not finish within 3 s" in message, message
+        assert "did not finish within 6 s" in message, message
     check_nothing_lost(db, engine)
 
 
