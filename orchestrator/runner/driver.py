@@ -627,7 +627,7 @@ class JobDriver(TrainerControl):
         )
         raise TasksPausedError(
             f"job {self.cfg.job.name!r} stopped at step {self.step}: every task is paused. "
-            f"{reasons}; then continue the job with `rollcall run CONFIG --resume`"
+            f"{reasons}"
         )
 
     def _train_step(self, batch: Any) -> dict[str, Any]:
