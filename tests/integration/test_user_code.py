@@ -263,6 +263,8 @@ def test_an_agent_raising_on_every_input_pauses_its_task_and_the_job_stops(
     # paused within a few episodes: six quarantined (each after its three attempts), and the
     # few in flight then
     assert "its code failed on 6 of the last 6 episodes that ended" in r.err, r.err
+    paused = json.loads(cli("events", "--job", "usercode", "--kind", "task.paused", "--json").out)
+    assert len(paused) == 1, paused  # one verdict, however many loops met the failures
     failed = {p["episode_id"] for _, p in user_errors(engine)}
     assert 6 <= len(failed) <= 10, failed
     assert scalar(engine, "SELECT status::text FROM tasks WHERE name = 'inventory'") == "paused"

@@ -129,8 +129,7 @@ def test_a_task_failing_on_every_input_is_paused_after_six_quarantines() -> None
         "attempts; most often, 6 times: the agent raised RuntimeError: x at "
         "agent.py:3 in rollout)"
     )
-    guard.forget(7)  # paused: judged afresh from here
-    assert guard.record(7, 7, _err()) is None
+    assert guard.record(7, 7, _err()) is None  # one verdict: judged afresh from here
 
 
 def test_most_inputs_failing_after_a_healthy_start_is_paused() -> None:

@@ -101,7 +101,7 @@ class TaskGuard:
     ) -> Verdict | None:
         """An episode of the task ended for good: ``error`` None (committed), or quarantined
         after its code failed with ``error`` at ``at``. Returns a verdict when the task is to
-        be paused."""
+        be paused (and forgets the task's outcomes: one verdict per run of failures)."""
         if error is not None and error.input_independent:
             return Verdict(1, 1, error.message, error.location, 1, True, at)
         if not self.window:
@@ -121,6 +121,7 @@ class TaskGuard:
         )
         times = [o.at for o in failures if o.at is not None]
         since = min(times) if times else None
+        self.forget(task_id)  # one verdict: the outcomes after it are judged afresh
         return Verdict(len(failures), seen, last.message, last.location, count, False, since)
 
     def forget(self, task_id: int) -> None:

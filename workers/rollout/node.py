@@ -693,7 +693,7 @@ class RolloutNode:
             log.warning("could not pause task %s", claim.task_name, exc_info=True)
             return
         with self._lock:
-            self._guard.forget(task_id)
+            self._guard.forget(task_id)  # judged afresh (paused, or resumed since)
             if result == "paused":
                 self.stats.tasks_paused += 1
         if result == "paused":
