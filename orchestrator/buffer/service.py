@@ -796,13 +796,13 @@ class Buffer:
                 },
             )
 
-    def _quarantine_nonfinite(self, tx: Tx, step: int | None = None) -> bool:
+    def _quarantine_nonfinite(self, tx: Tx, step: int) -> None:
         """Finished groups with a NaN or infinite reward (stored before rewards were checked
-        where they are produced) are quarantined, never trained, each with an event; returns
-        whether one of them was reserved by ``step``, whose reservation is then released (the
-        step claims a new batch)."""
+        where they are produced) are quarantined, never trained, each with an event; when one
+        of them was reserved by ``step``, the step's reservation is released (it claims a new
+        batch)."""
         released = False
-        for r in tx.batches.quarantine_nonfinite_groups(self.job_id, reserved=step is not None):
+        for r in tx.batches.quarantine_nonfinite_groups(self.job_id):
             tx.episodes.bump_task_counter(r.task_id, "quarantined_episodes")
             values = ", ".join(str(v) for v in r.rewards)
             tx.events.add(
@@ -819,11 +819,9 @@ class Buffer:
                     "rewards": [str(v) for v in r.rewards],
                 },
             )
-            if r.claimed_step is not None and r.claimed_step == step:
-                released = True
-        if released and step is not None:
+            released = released or r.claimed_step == step
+        if released:
             tx.batches.release_reservation(self.job_id, step)
-        return released
 
     @timed
     @retry_transient

@@ -94,12 +94,6 @@ class UserErrorReport:
         with self._lock:
             self._repeats(time.monotonic(), final=True)
 
-    @property
-    def counts(self) -> dict[str, int]:
-        """Occurrences seen this run, by signature."""
-        with self._lock:
-            return {k: v.count for k, v in self._seen.items()}
-
     def _one(self, e: EventView) -> None:
         p: dict[str, Any] = e.payload
         if e.kind == "episode.quarantined":  # shown: a NaN reward stored by an older rollcall

@@ -92,7 +92,7 @@ def _final_outcomes(guard: TaskGuard, bad_every: int, episodes: int) -> int | No
     episode at which the guard says pause, or None."""
     for episode in range(1, episodes + 1):
         error = _err() if episode % bad_every == 0 else None
-        if guard.record(7, episode, error) is not None:
+        if guard.record(7, error) is not None:
             return episode
     return None
 
@@ -110,8 +110,8 @@ def test_a_healthy_looking_random_failure_rate_is_not_paused() -> None:
     paused = 0
     for _ in range(500):  # 500 tasks x 500 final outcomes, one input in four failing
         guard = TaskGuard()
-        for episode in range(500):
-            if guard.record(1, episode, _err() if rng.random() < 1 / 4 else None) is not None:
+        for _ in range(500):
+            if guard.record(1, _err() if rng.random() < 1 / 4 else None) is not None:
                 paused += 1
                 break
     assert paused == 0
@@ -120,7 +120,7 @@ def test_a_healthy_looking_random_failure_rate_is_not_paused() -> None:
 def test_a_task_failing_on_every_input_is_paused_after_six_quarantines() -> None:
     assert _final_outcomes(TaskGuard(), bad_every=1, episodes=100) == 6
     guard = TaskGuard()
-    verdicts = [guard.record(7, e, _err()) for e in range(1, 7)]
+    verdicts = [guard.record(7, _err()) for _ in range(6)]
     assert verdicts[:5] == [None] * 5
     v = verdicts[-1]
     assert v is not None and (v.failed, v.seen, v.count) == (6, 6, 6)
@@ -129,16 +129,16 @@ def test_a_task_failing_on_every_input_is_paused_after_six_quarantines() -> None
         "attempts; most often, 6 times: the agent raised RuntimeError: x at "
         "agent.py:3 in rollout)"
     )
-    assert guard.record(7, 7, _err()) is None  # one verdict: judged afresh from here
+    assert guard.record(7, _err()) is None  # one verdict: judged afresh from here
 
 
 def test_most_inputs_failing_after_a_healthy_start_is_paused() -> None:
     guard = TaskGuard()
-    for episode in range(40):
-        assert guard.record(1, episode, None) is None
+    for _ in range(40):
+        assert guard.record(1, None) is None
     # then 7 of every 8 fail: paused once 26 of the last 32 have
     for episode in range(40, 200):
-        if guard.record(1, episode, None if episode % 8 == 0 else _err()) is not None:
+        if guard.record(1, None if episode % 8 == 0 else _err()) is not None:
             break
     else:
         raise AssertionError("never paused")
@@ -148,9 +148,9 @@ def test_most_inputs_failing_after_a_healthy_start_is_paused() -> None:
 def test_an_input_independent_error_pauses_at_once() -> None:
     guard = TaskGuard()
     e = _err("the agent returned dict, not an Outcome", input_independent=True)
-    v = guard.record(3, 1, e)
+    v = guard.record(3, e)
     assert v is not None and v.input_independent
     assert "fails on every input" in v.sentence()
     off = TaskGuard(window=0)  # the guard off still pauses what fails on every input
-    assert off.record(3, 1, _err()) is None
-    assert off.record(3, 2, e) is not None
+    assert off.record(3, _err()) is None
+    assert off.record(3, e) is not None

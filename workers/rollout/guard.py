@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 
@@ -74,30 +74,20 @@ class Verdict:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Outcome:
-    episode_id: int
     error: UserCodeError | None
     at: datetime | None
-
-
-@dataclass
-class _Window:
-    outcomes: deque[_Outcome] = field(default_factory=deque)
 
 
 class TaskGuard:
     def __init__(self, window: int = 32, min_episodes: int = 6) -> None:
         self.window = window  # 0: off (only input-independent errors pause)
         self.min_episodes = max(1, min(min_episodes, window)) if window else 0
-        self._tasks: dict[int, _Window] = {}
+        self._tasks: dict[int, deque[_Outcome]] = {}  # the last ``window`` outcomes per task
 
     def record(
-        self,
-        task_id: int,
-        episode_id: int,
-        error: UserCodeError | None,
-        at: datetime | None = None,
+        self, task_id: int, error: UserCodeError | None, at: datetime | None = None
     ) -> Verdict | None:
         """An episode of the task ended for good: ``error`` None (committed), or quarantined
         after its code failed with ``error`` at ``at``. Returns a verdict when the task is to
@@ -106,12 +96,10 @@ class TaskGuard:
             return Verdict(1, 1, error.message, error.location, 1, True, at)
         if not self.window:
             return None
-        w = self._tasks.setdefault(task_id, _Window())
-        w.outcomes.append(_Outcome(episode_id, error, at))
-        while len(w.outcomes) > self.window:
-            w.outcomes.popleft()
-        failures = [o for o in w.outcomes if o.error is not None]
-        seen = len(w.outcomes)
+        outcomes = self._tasks.setdefault(task_id, deque(maxlen=self.window))
+        outcomes.append(_Outcome(error, at))
+        failures = [o for o in outcomes if o.error is not None]
+        seen = len(outcomes)
         if seen < self.min_episodes or len(failures) < needed(seen):
             return None
         by_signature = Counter(o.error.signature for o in failures if o.error is not None)

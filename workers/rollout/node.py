@@ -671,7 +671,7 @@ class RolloutNode:
             verdict = None
             if final or error.input_independent:
                 at = outcome.at if outcome is not None else None
-                verdict = self._guard.record(lease.task_id, lease.episode_id, error, at)
+                verdict = self._guard.record(lease.task_id, error, at)
         if verdict is not None:
             self._pause(claim, verdict, error)
 
@@ -705,7 +705,7 @@ class RolloutNode:
         if not work.failed:
             with self._lock:
                 self.stats.episodes_committed += 1
-                self._guard.record(work.claim.lease.task_id, key[0], None)
+                self._guard.record(work.claim.lease.task_id, None)
         with self._lock:
             self._active.discard(key)
             self._lost.discard(key)

@@ -184,42 +184,12 @@ class ToolRunner:
     ) -> ToolResult:
         if not isinstance(arguments, dict):
             return ToolResult("error: tool arguments must be a JSON object", state, False, True)
-        with self._turn:
-            return self._call(plugin, spec, prompt, state, name, arguments)
-
-    def _call(
-        self,
-        plugin: TaskPlugin,
-        spec: TaskSpec,
-        prompt: dict[str, Any],
-        state: dict[str, Any],
-        name: str,
-        arguments: dict[str, Any],
-    ) -> ToolResult:
-        conn = self._ensure()
-        try:
-            conn.send((plugin, spec, prompt, state, name, arguments))
-            if not conn.poll(START_TIMEOUT_S):
-                self._kill()
-                return ToolResult(
-                    f"error: the tool {name!r} could not be started within {START_TIMEOUT_S:g} s",
-                    state,
-                    False,
-                    True,
-                )
-            conn.recv()  # ("started",): the tool runs from now
-            if not conn.poll(self.timeout_s):
-                self._kill()
-                return ToolResult(
-                    f"error: the tool {name!r} did not answer within {self.timeout_s:g} s",
-                    state,
-                    False,
-                    True,
-                )
-            kind, text, new_state, done = conn.recv()
-        except (EOFError, OSError, BrokenPipeError):
-            self._kill()
-            return ToolResult(f"error: the tool {name!r} crashed", state, False, True)
+        answer = self._exchange(
+            (plugin, spec, prompt, state, name, arguments), self.timeout_s, name
+        )
+        if isinstance(answer, str):
+            return ToolResult(f"error: {answer}", state, False, True)
+        kind, text, new_state, done = answer
         if kind == "ok":
             return ToolResult(text, new_state, done, False)
         return ToolResult(f"error: {text}", new_state, False, True)
@@ -242,25 +212,33 @@ class ToolRunner:
             payload = cloudpickle.dumps((fn, args, kwargs))
         except Exception as e:
             return False, f"the tool {name!r} cannot be sent to its process ({e})"
-        with self._turn:
-            return self._call_function(payload, timeout_s, name)
-
-    def _call_function(self, payload: bytes, timeout_s: float, name: str) -> tuple[bool, Any]:
-        conn = self._ensure()
-        try:
-            conn.send(("function", payload))
-            if not conn.poll(START_TIMEOUT_S):
-                self._kill()
-                return False, f"the tool {name!r} could not be started within {START_TIMEOUT_S:g} s"
-            conn.recv()
-            if not conn.poll(timeout_s):
-                self._kill()
-                return False, f"the tool {name!r} did not answer within {timeout_s:g} s"
-            kind, value = conn.recv()
-        except (EOFError, OSError, BrokenPipeError):
-            self._kill()
-            return False, f"the tool {name!r} crashed"
+        answer = self._exchange(("function", payload), timeout_s, name)
+        if isinstance(answer, str):
+            return False, answer
+        kind, value = answer
         return kind == "ok", value
+
+    def _exchange(self, request: Any, timeout_s: float, name: str) -> tuple[Any, ...] | str:
+        """Send one request to the tool process and wait for its answer: the answer, or why
+        there is none (the process then killed, to be replaced at the next call). The tool must
+        start within ``START_TIMEOUT_S`` and answer within ``timeout_s``. Requests take turns
+        (``_turn``)."""
+        with self._turn:
+            conn = self._ensure()
+            try:
+                conn.send(request)
+                if not conn.poll(START_TIMEOUT_S):
+                    self._kill()
+                    return f"the tool {name!r} could not be started within {START_TIMEOUT_S:g} s"
+                conn.recv()  # ("started",): the tool runs from now
+                if not conn.poll(timeout_s):
+                    self._kill()
+                    return f"the tool {name!r} did not answer within {timeout_s:g} s"
+                answer: tuple[Any, ...] = conn.recv()
+                return answer
+            except (EOFError, OSError, BrokenPipeError):
+                self._kill()
+                return f"the tool {name!r} crashed"
 
     def close(self) -> None:
         self._kill()

@@ -211,12 +211,11 @@ class BatchRepository:
         )
         return list(stuck)
 
-    def quarantine_nonfinite_groups(self, job_id: int, *, reserved: bool) -> list[Any]:
+    def quarantine_nonfinite_groups(self, job_id: int) -> list[Any]:
         """Quarantine finished, unconsumed groups with a reward that is not a finite number
         (NaN, infinity): written before rewards were checked where they are produced, they would
-        fail the trainer's advantages on every try. With ``reserved``, groups reserved by a step
-        are taken too (the caller releases the rest of that step's reservation). Their samples
-        are expired.
+        fail the trainer's advantages on every try. Groups reserved by a step are taken too (the
+        caller releases the rest of that step's reservation). Their samples are expired.
         Returns the episodes (id, task_id, prompt_index, claimed_step, rewards)."""
         bad = self.session.execute(
             text(
@@ -226,13 +225,12 @@ class BatchRepository:
                 FROM episodes e
                 JOIN trajectories tr ON tr.task_id = e.task_id AND tr.episode_id = e.id
                 WHERE e.job_id = :j AND e.status = 'done' AND e.consumed_step IS NULL
-                  AND (:reserved OR e.claimed_step IS NULL)
                 GROUP BY e.id
                 HAVING bool_or(tr.reward IN ('NaN', 'Infinity', '-Infinity'))
                 ORDER BY e.id
                 """
             ),
-            {"j": job_id, "reserved": reserved},
+            {"j": job_id},
         ).all()
         if not bad:
             return []
@@ -255,10 +253,9 @@ class BatchRepository:
         )
         return list(bad)
 
-    def release_reservation(self, job_id: int, step: int) -> int:
+    def release_reservation(self, job_id: int, step: int) -> None:
         """Undo the reservation of ``step``'s batch (not consumed): its groups are available
-        again, its claimed trajectories ``ready``; the job's pending step is cleared. Returns
-        the groups released."""
+        again, its claimed trajectories ``ready``; the job's pending step is cleared."""
         self.session.execute(
             text(
                 """
@@ -271,15 +268,14 @@ class BatchRepository:
             ),
             {"j": job_id, "s": step},
         )
-        n = self.session.execute(
+        self.session.execute(
             text(
                 "UPDATE episodes SET claimed_step = NULL, updated_at = now() "
                 "WHERE job_id = :j AND claimed_step = :s AND consumed_step IS NULL"
             ),
             {"j": job_id, "s": step},
-        ).rowcount  # type: ignore[attr-defined]
+        )
         self.set_pending(job_id, None, None)
-        return int(n)
 
     # -- claim ---------------------------------------------------------------------------------
 
