@@ -117,7 +117,7 @@ refused command writes nothing.
 | 4 | conflict (a name taken, a job another driver runs, a state that forbids the action) |
 | 5 | the schema is not at the head revision (run `rollcall db upgrade`) |
 | 6 | the database cannot be reached |
-| 7 | the job cannot go on (every rollout node is over its restart budget) |
+| 7 | the job cannot go on (every rollout node over its budget, or none placed: `capacity_wait_s`) |
 | 8 | every task is paused, one at least by the user-code guard: resume them, then `--resume` |
 
 Every applied operator action writes an event (`job.created`, `task.registered`,

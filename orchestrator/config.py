@@ -441,6 +441,24 @@ class RolloutConfig(StrictModel):
         description="a registered node whose engine is not up by then (while it beats, it is "
         "starting, not dead) is killed and retried; counts against max_restarts",
     )
+    machine_verdict_s: Seconds = Field(
+        default=60.0,
+        description="a node that died unreachable or hung waits this long at most for Ray's "
+        "word on its machine (its node marked dead: not counted; the machine answers a probe: "
+        "counted) before its restart; after it, the death counts",
+    )
+    capacity_wait_s: Seconds = Field(
+        default=1800.0,
+        description="how long the job waits with no rollout node able to run (every slot "
+        "waiting for a machine with room) before it stops; slots waiting while others run "
+        "wait as long as it takes",
+    )
+    drain_timeout_s: Seconds = Field(
+        default=120.0,
+        description="how long a draining rollout node (its machine drained, or the fleet "
+        "scaled down) has to finish its in-flight turns and give its leases back before it "
+        "is stopped anyway (its unfinished turns are then generated again)",
+    )
     breaker_failures: Annotated[int, b.ATTEMPTS.field()] = Field(
         default=3,
         description="episodes a node fails in a row before it stops claiming, gives its "

@@ -19,6 +19,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+# a rollout slot's states as the driver's supervisor sees them (``rollout_slots.state``,
+# orchestrator/runner/supervisor.py)
+SLOT_STATES = (
+    "starting", "alive", "restarting", "awaiting_ray", "waiting_capacity", "draining", "failed",
+    "removed",
+)  # fmt: skip
+
 
 class JobStatus(enum.StrEnum):
     """What the job's driver is doing: ``running`` from its set-up, ``stopping`` once asked to

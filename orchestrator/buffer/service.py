@@ -433,6 +433,28 @@ class Buffer:
 
     @timed
     @retry_transient
+    def set_fleet_size(self, nodes: int) -> None:
+        """A new run's fleet: ``nodes`` rollout nodes, the slots of earlier runs forgotten."""
+        with self.db.transaction() as tx:
+            tx.fleet.set_size(self.job_id, nodes)
+            tx.fleet.forget(self.job_id)
+
+    @timed
+    @retry_transient
+    def fleet_size(self) -> int | None:
+        """The rollout nodes the job should have (``rollcall job scale``; None: not set)."""
+        with self.db.transaction() as tx:
+            return tx.fleet.size(self.job_id)
+
+    @timed
+    @retry_transient
+    def record_slot(self, name: str, **state: Any) -> None:
+        """A rollout slot's state as the supervisor sees it (``FleetRepository.record``)."""
+        with self.db.transaction() as tx:
+            tx.fleet.record(self.job_id, name, **state)
+
+    @timed
+    @retry_transient
     def depth(self) -> dict[str, int]:
         """Episodes of the job by status (``done`` split into ``ready`` and ``consumed``)."""
         with self.db.transaction() as tx:

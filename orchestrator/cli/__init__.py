@@ -18,6 +18,7 @@ from orchestrator.cli import db as db_cmd
 from orchestrator.cli import drill as drill_cmd
 from orchestrator.cli import job as job_cmd
 from orchestrator.cli import model as model_cmd
+from orchestrator.cli import node as node_cmd
 from orchestrator.cli import quickstart as quickstart_cmd
 from orchestrator.cli import rollout as rollout_cmd
 from orchestrator.cli import run as run_cmd
@@ -38,6 +39,7 @@ app.add_typer(drill_cmd.app, name="drill")
 app.add_typer(job_cmd.app, name="job")
 app.add_typer(task_cmd.app, name="task")
 app.add_typer(model_cmd.app, name="model")
+app.add_typer(node_cmd.app, name="node")
 app.add_typer(rollout_cmd.app, name="rollout")
 app.add_typer(status_cmd.worker_app, name="worker")
 app.add_typer(status_cmd.buffer_app, name="buffer")

@@ -72,11 +72,15 @@ def _show(reports: list[DrillReport], json_out: bool) -> None:
 
 def drill_table(reports: list[DrillReport]) -> Any:
     """The drill reports as a table: in flight as episodes/samples, lost/duplicated
-    trajectories (``--json``: every field whole, by name)."""
+    trajectories (``--json``: every field whole, by name). Detection is rollcall's (every
+    worker of the target declared down); a kill-node report adds Ray's (``ray s``: until Ray's
+    node table marks the node dead, ``-`` when that could not be seen)."""
+    ray = any(r.drill == "kill-node" for r in reports)
     t = compact_table(
         "drill",
         col("target", flex=True),
         col("detect s", right=True),
+        *([col("ray s", right=True)] if ray else []),
         col("recover s", right=True),
         col("in flight", right=True),
         col("resumed", right=True),
@@ -84,11 +88,15 @@ def drill_table(reports: list[DrillReport]) -> Any:
         col("invariants", flex=True),
     )
     for r in reports:
+        ray_s = (
+            [] if not ray else ["-" if r.ray_detection_s is None else f"{r.ray_detection_s:.2f}"]
+        )
         t.add_row(
             *one_line(
                 r.drill,
                 r.target,
                 "-" if r.detection_s is None else f"{r.detection_s:.2f}",
+                *ray_s,
                 "timed out" if r.recovery_s is None else f"{r.recovery_s:.2f}",
                 f"{r.in_flight_episodes}/{r.in_flight_samples}",
                 str(r.resumed_turns),

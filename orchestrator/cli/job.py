@@ -1,4 +1,4 @@
-"""``rollcall job``: create, list, show and stop jobs."""
+"""``rollcall job``: create, list, show, stop and scale jobs."""
 
 from __future__ import annotations
 
@@ -165,5 +165,38 @@ def stop(
                 )
             time.sleep(1.0)
         out.print(f"Job {name!r} {job.status.value} at policy version {job.policy_version}.")
+    finally:
+        db.dispose()
+
+
+@app.command()
+def scale(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="Job name.")],
+    rollout_nodes: Annotated[
+        int, typer.Option("--rollout-nodes", help="Rollout nodes the job should have.")
+    ],
+) -> None:
+    """Grow or shrink a running job's rollout fleet: new nodes start where the Ray cluster has
+    room (or wait for it, shown in `rollcall status`); removed ones finish their in-flight
+    turns, checkpoint them and give their episodes back first, so nothing generated is lost."""
+    from orchestrator.services.jobs import scale as scale_job
+
+    db = open_db(ctx)
+    try:
+        with db.transaction() as tx:
+            before = scale_job(tx, name, rollout_nodes, actor=actor())
+        console().print(
+            f"Job {name!r}: {before} -> {rollout_nodes} rollout nodes; its driver "
+            + (
+                "starts the new ones where the Ray cluster has room."
+                if rollout_nodes > before
+                else "drains the extra ones (their turns are checkpointed, their episodes "
+                "given back)."
+                if rollout_nodes < before
+                else "already has that many."
+            ),
+            markup=False,
+        )
     finally:
         db.dispose()

@@ -48,6 +48,8 @@ def render_status(doc: dict[str, Any]) -> Any:
     from rich.console import Group
     from rich.text import Text
 
+    from orchestrator.services.status import slot_lines
+
     j, tr = doc["job"], doc["trainer"]
     total = f"/{j['total_steps']}" if j["total_steps"] else ""
     state = j["status"]
@@ -109,6 +111,7 @@ def render_status(doc: dict[str, Any]) -> Any:
         parts.append(Text(f"latest: {doc['user_errors'][0]['last']}"))
     parts.append(Text(""))
     parts.append(_nodes_table(doc["nodes"]) if doc["nodes"] else Text("workers: none yet"))
+    parts.extend(Text(line) for line in slot_lines(doc["nodes"]))
     parts.append(Text(""))
     parts.extend(_pack("buffer (episodes):", [f"{k} {v}" for k, v in doc["buffer"].items()]))
     if doc["recent_events"]:
@@ -160,7 +163,7 @@ def _nodes_table(
     for n in nodes:
         row = [
             n["name"],
-            n["status"],
+            n.get("slot") or n["status"],  # a rollout slot's state as the supervisor sees it
             "-" if n["loaded_version"] is None else str(n["loaded_version"]),
         ]
         if incarnations:
@@ -173,7 +176,13 @@ def _nodes_table(
             ]
         else:
             progress = _age(n["progress_age_s"]) if n["role"] == "rollout" else "-"
-            row += [_age(n["heartbeat_age_s"]), progress, str(n["restarts"])]
+            # a rollout slot: its restarts counted against the budget (machine losses are not)
+            restarts = (
+                f"{n['budget_restarts']}/{n['max_restarts']}"
+                if n.get("slot") is not None
+                else str(n["restarts"])
+            )
+            row += [_age(n["heartbeat_age_s"]), progress, restarts]
         row.append(n["host"] or "-")
         if ray_node:
             row.append((n["node_id"] or "-")[:8])

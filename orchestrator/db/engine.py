@@ -23,6 +23,7 @@ from orchestrator.db import jsontext
 from orchestrator.db.repos.batches import BatchRepository
 from orchestrator.db.repos.episodes import EpisodeRepository
 from orchestrator.db.repos.events import EventRepository
+from orchestrator.db.repos.fleet import FleetRepository
 from orchestrator.db.repos.invariants import InvariantRepository
 from orchestrator.db.repos.jobs import JobRepository
 from orchestrator.db.repos.monitoring import MonitoringRepository
@@ -72,6 +73,7 @@ class Tx:
     workers: WorkerRepository
     invariants: InvariantRepository
     monitoring: MonitoringRepository
+    fleet: FleetRepository
 
 
 class Database:
@@ -163,6 +165,7 @@ def _tx(session: Session) -> Tx:
         workers=WorkerRepository(session),
         invariants=InvariantRepository(session),
         monitoring=MonitoringRepository(session),
+        fleet=FleetRepository(session),
     )
 
 

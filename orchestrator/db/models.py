@@ -39,6 +39,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from orchestrator.domain import (
+    SLOT_STATES,
     EpisodeStatus,
     JobStatus,
     TaskStatus,
@@ -117,9 +118,13 @@ class Job(Base):
     driver: Mapped[dict[str, Any] | None] = mapped_column(JSONB)  # pid, host, started_at
     created_at: Mapped[datetime] = _created()
     updated_at: Mapped[datetime] = _updated()
+    # The rollout nodes the running job should have: the config's at start, then what an
+    # operator set with ``rollcall job scale`` (the supervisor adds or drains slots to match).
+    rollout_nodes: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (
         CheckConstraint("policy_version >= 0", name="policy_version_nonneg"),
+        CheckConstraint("rollout_nodes IS NULL OR rollout_nodes >= 1", name="rollout_nodes_min"),
         CheckConstraint(
             "weights_version IS NULL OR weights_version >= 0", name="weights_version_nonneg"
         ),
@@ -215,6 +220,38 @@ class Worker(Base):
     __table_args__ = (
         UniqueConstraint("job_id", "name", "incarnation"),
         Index("ix_workers_job_id_status", "job_id", "status"),
+    )
+
+
+class RolloutSlot(Base):
+    """One rollout node slot of a job as the driver's supervisor sees it (its incarnations are
+    ``workers`` rows of the same name): its state since when, the Ray node its reservation is
+    placed on, its restarts counted against the budget (within the window) and the machine
+    losses that were not counted, and why it is in its state."""
+
+    __tablename__ = "rollout_slots"
+
+    job_id: Mapped[int] = mapped_column(
+        ForeignKey("jobs.id", ondelete="RESTRICT"), primary_key=True
+    )
+    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    state: Mapped[str] = mapped_column(String(32), nullable=False)
+    state_since: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), nullable=False
+    )
+    ray_node_id: Mapped[str | None] = mapped_column(String(128))
+    restarts: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    max_restarts: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    machine_losses: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    reason: Mapped[str | None] = mapped_column(Text)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), server_default=func.now(), nullable=False
+    )
+
+    __table_args__ = (
+        CheckConstraint(
+            "state IN (" + ", ".join(f"'{s}'" for s in SLOT_STATES) + ")", name="state"
+        ),
     )
 
 

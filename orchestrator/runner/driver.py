@@ -174,6 +174,15 @@ class JobDriver(TrainerControl):
         cp = cfg.control_plane
         room = cp.progress_timeout_s - cp.heartbeat_timeout_s
         check_agent_tasks(cfg.tasks, cfg.run.eval.episodes, room)
+        # Ray and the job's reservation first: a job the cluster cannot hold is refused before
+        # it writes anything to the database. From here on (Ray's start, the trainer's, the
+        # nodes', the scheduler's), what libraries log or warn goes to the run directory's
+        # driver.log, not the user's terminal.
+        self.run_dir = RunDir(
+            Path(cfg.run.dir) if cfg.run.dir else self.home / "runs" / cfg.job.name
+        )
+        self._release_logs = self.run_dir.capture_logs()
+        self._start_ray()
         with self.db.transaction() as tx:
             job = tx.jobs.get_by_name(cfg.job.name)
             if job is None and self.resume:
@@ -195,6 +204,8 @@ class JobDriver(TrainerControl):
                 say=lambda m: self.console.print(m, markup=False),
                 retry_window_s=cfg.buffer.retry_window,
             )
+            # where operators' commands reach this job's Ray (``rollcall node drain``)
+            self.lifecycle.info["ray_address"] = _gcs_address()
             self.lifecycle.acquire()
             job = tx.jobs.get(job.id) or job
             if not self.resume and job.policy_version > 0:
@@ -212,11 +223,8 @@ class JobDriver(TrainerControl):
         self.job_id = job.id
         self.buffer = Buffer(self.db, job.id, cfg.buffer, driver_epoch=epoch)
         self._recover_previous_run()  # only now that this driver holds the job
-        self.run_dir = RunDir(Path(cfg.run.dir) if cfg.run.dir else self.home / "runs" / job.name)
+        self.buffer.set_fleet_size(cfg.rollout.nodes)  # a new run's fleet: the config's
         self.run_dir.write_config(cfg.model_dump(mode="json"))
-        # From here on (Ray's start, the trainer's, the nodes', the scheduler's), what libraries
-        # log or warn goes to the run directory's driver.log, not the user's terminal.
-        self._release_logs = self.run_dir.capture_logs()
         self.run_dir.start_trackers(
             cfg.run, job.name, lambda m: self.console.print(m, markup=False)
         )
@@ -226,7 +234,6 @@ class JobDriver(TrainerControl):
             self.buffer.last_event_id(),
             lambda m: self.console.print(m, markup=False),
         )
-        self._start_ray()
         self._start_trainer()
         self._start_nodes()
         self._start_evaluator()
@@ -281,16 +288,28 @@ class JobDriver(TrainerControl):
         self._reserve()
 
     def _reserve(self) -> None:
-        """Reserve every trainer rank's and rollout node's slot before starting any (one
-        placement group); a job the cluster cannot hold is refused with one sentence."""
+        """Reserve every trainer rank's and rollout node's slot before starting any (placement
+        groups, ``orchestrator/runner/placement.py``); a job the cluster cannot hold is refused
+        with one sentence, before the job writes anything."""
         from orchestrator.runner.placement import reserve
 
-        try:
-            self.placement = reserve(self.cfg, timeout_s=self.cfg.ray.placement_timeout_s)
-        except UserError as e:
-            with contextlib.suppress(Exception):  # the refusal matters more than its record
-                self.buffer.event("job.placement_failed", str(e), {"reason": str(e)})
-            raise
+        self.placement = reserve(self.cfg, timeout_s=self.cfg.ray.placement_timeout_s)
+        self.console.print(self._placed(), markup=False)
+
+    def _placed(self) -> str:
+        """One line: which Ray node holds the trainer's and each rollout slot's bundles."""
+        from orchestrator.runner import raynodes
+        from orchestrator.runner.placement import group_state
+
+        table = raynodes.nodes()
+        where: dict[str, list[str]] = {}
+        p = self.placement
+        for name, group in [("trainer", p.group)] + [
+            (f"rollout-{i}", g) for i, g in enumerate(p.slots)
+        ]:
+            node = group_state(group)[1]
+            where.setdefault(raynodes.host(table, node), []).append(name)
+        return "placed: " + "; ".join(f"{', '.join(v)} on {k}" for k, v in where.items())
 
     def request_stop(self) -> None:
         """Finish after the current step (then stop the nodes, evaluate, save the policy);
@@ -310,6 +329,9 @@ class JobDriver(TrainerControl):
             backoff_base_s=r.restart_backoff_s,
             start_timeout_s=r.start_timeout_s,
             engine_start_timeout_s=r.engine_start_timeout_s,
+            machine_verdict_s=r.machine_verdict_s,
+            drain_timeout_s=r.drain_timeout_s,
+            placement=self.placement,
             say=lambda m: self.console.print(m, markup=False),
         )
 
@@ -347,7 +369,8 @@ class JobDriver(TrainerControl):
             db_idle_tx_timeout_s=self.cfg.control_plane.heartbeat_timeout_s,
         )
 
-    def _make_node(self, index: int) -> Any:
+    def _make_node(self, index: int, strategy: Any = None) -> Any:
+        """Slot ``index``'s actor, in its placement group's bundle (``strategy``)."""
         from workers.rollout.node import rollout_actor
 
         r = self.cfg.rollout
@@ -355,9 +378,7 @@ class JobDriver(TrainerControl):
             num_cpus=r.cpus_per_node,
             num_gpus=r.gpus_per_node,
             resources=r.resources,
-            scheduling_strategy=(
-                self.placement.rollout_strategy(index) if self.placement is not None else None
-            ),
+            scheduling_strategy=strategy,
         )
         return actor.remote(
             self.db.url.render_as_string(hide_password=False),
@@ -510,7 +531,7 @@ class JobDriver(TrainerControl):
                     self._check_nodes_left()
                     self._check_tasks_left()
                     if time.monotonic() - refreshed >= WAIT_POLL_S:
-                        snap.waiting = "waiting for a full batch from the rollout nodes"
+                        snap.waiting = self._waiting_for()
                         self._refresh(snap, started, train_s, steps_this_run)
                         progress.update(snap)
                         refreshed = time.monotonic()
@@ -584,8 +605,27 @@ class JobDriver(TrainerControl):
         )
 
     def _check_nodes_left(self) -> None:
-        """Every rollout node slot is over its restart budget: nothing will fill a batch."""
+        """Every rollout node slot is over its restart budget, or none could be placed for
+        ``rollout.capacity_wait_s``: nothing will fill a batch."""
         sup = self.supervisor
+        waited = sup.waiting_for_capacity() if sup is not None else None
+        limit = self.cfg.rollout.capacity_wait_s
+        if waited is not None and waited > limit:
+            from orchestrator.runner.placement import rollout_bundle
+
+            bundle = ", ".join(f"{v:g} {k}" for k, v in rollout_bundle(self.cfg).items())
+            self.buffer.event(
+                "job.no_capacity",
+                f"no rollout node could run for {waited:.0f} s; the job stops at step {self.step}",
+                {"step": self.step, "waited_s": waited},
+            )
+            raise JobFailedError(
+                f"job {self.cfg.job.name!r} stopped at step {self.step}: no rollout node could "
+                f"run for {waited:.0f} s (rollout.capacity_wait_s {limit:g}): no machine in the "
+                f"Ray cluster has room for one ({bundle}); add machines, or lower "
+                "rollout.cpus_per_node, rollout.gpus_per_node or rollout.resources, and "
+                "continue with --resume"
+            )
         if sup is not None and sup.all_failed:
             why = "; ".join(sup.failures())
             self.buffer.event(
@@ -598,6 +638,17 @@ class JobDriver(TrainerControl):
                 f"failed over its restart budget (rollout.max_restarts); fix the cause and "
                 f"continue with --resume ({why})"
             )
+
+    def _waiting_for(self) -> str:
+        """What the trainer loop waits for, for the progress line."""
+        sup = self.supervisor
+        waited = sup.waiting_for_capacity() if sup is not None else None
+        if waited is not None:
+            return (
+                f"waiting for capacity: no rollout node can run ({waited:.0f} s of "
+                f"rollout.capacity_wait_s {self.cfg.rollout.capacity_wait_s:g})"
+            )
+        return "waiting for a full batch from the rollout nodes"
 
     def _check_tasks_left(self) -> None:
         """Every task is paused, at least one by the user-code guard, and nothing is in flight:
@@ -946,3 +997,12 @@ class _SkippedRunFilter(logging.Filter):
 
 
 SKIPPED_RUN_FILTER = _SkippedRunFilter()
+
+
+def _gcs_address() -> str | None:
+    import ray
+
+    try:
+        return str(ray.get_runtime_context().gcs_address)
+    except Exception:  # only informs operators' commands
+        return None

@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from orchestrator.config import RollcallConfig
 from orchestrator.db.engine import Database
+from orchestrator.domain import SLOT_STATES
 from orchestrator.errors import UserError
 from orchestrator.services.status import EPISODE_STATES, JobSnapshot, snapshot, step_seconds
 
@@ -147,6 +148,11 @@ METRICS: dict[str, Spec] = {
         "summary", _R, "rollout node weight loads (current incarnation)"
     ),
     "rollcall_weight_load_last_seconds": Spec("gauge", _R, "the node's last weight load"),
+    # rollout slots as the supervisor sees them (waiting_capacity: no machine has room)
+    "rollcall_rollout_slots": Spec("gauge", (JOB, "state"), "rollout node slots, by state"),
+    "rollcall_node_machine_losses_total": Spec(
+        "counter", _R, "rollout slot: machine losses (not counted against its restart budget)"
+    ),
     # audit log
     "rollcall_events_total": Spec("counter", (JOB, "kind"), "events recorded, by kind"),
     "rollcall_drills_total": Spec("counter", (JOB, "drill", "result"), "drills run, passed/failed"),
@@ -458,6 +464,14 @@ class MetricsExporter(Collector):
                     lr, count_value=report["weight_loads"], sum_value=report["weight_load_s_total"]
                 )
                 f["rollcall_weight_load_last_seconds"].add_metric(lr, report["weight_load_s_last"])
+        states = dict.fromkeys(SLOT_STATES, 0)  # every state has a series, at 0
+        for slot in snap.slots:
+            states[slot["state"]] = states.get(slot["state"], 0) + 1
+            f["rollcall_node_machine_losses_total"].add_metric(
+                [j, slot["name"]], slot["machine_losses"]
+            )
+        for state, count in states.items():
+            f["rollcall_rollout_slots"].add_metric([j, state], count)
         for kind, count in sorted(snap.events.items()):
             f["rollcall_events_total"].add_metric([j, kind], count)
         # the built-in drills always have series (at 0), so that increase() sees the first one

@@ -1,20 +1,23 @@
 """The job's resources, reserved in Ray for the job's whole life.
 
-At start the driver creates one placement group with one bundle per trainer rank (bundles
-``0..ranks-1``) and one per rollout node slot (the next ``rollout.nodes``): each bundle holds
-exactly what its actor asks for (CPUs, GPUs, custom resources). Every trainer rank and rollout
-node is scheduled into its own slot's bundle, so a restarted rank or node gets its slot back:
-what a dead actor held returns to its bundle, where no other actor (another job's, a node that
-did not fit) can take it. The evaluator asks for no resources (``num_cpus=0``, no GPU) and takes
-no slot. The group shares the driver's fate: Ray removes it when the driver exits, and
+At start the driver creates one placement group for the trainer, with one bundle per rank,
+and one placement group per rollout node slot, with one bundle: each bundle holds exactly what
+its actor asks for (CPUs, GPUs, custom resources). Every trainer rank and rollout node is
+scheduled into its own slot's bundle, so a restarted rank or node gets its slot back: what a
+dead actor held returns to its bundle, where no other actor (another job's, a node that did not
+fit) can take it. A group per rollout slot lets the fleet change under a running job: the
+supervisor creates groups for slots added by ``rollcall job scale``, removes those of slots
+taken away, and moves a slot off a draining machine by replacing its group (Ray places nothing
+new on a draining node). The evaluator asks for no resources (``num_cpus=0``, no GPU) and takes
+no slot. The groups share the driver's fate: Ray removes them when the driver exits, and
 ``Reservation.remove`` does so at the end of the job.
 
 Before reserving, ``check_fits`` refuses with one sentence a job whose resources exceed the
 cluster's (``ray.cluster_resources()``) or whose one slot fits no node; a reservation that the
 cluster cannot place within ``ray.placement_timeout_s`` is refused the same way. When a Ray node
 that held bundles is lost, Ray places those bundles again elsewhere when there is room
-(``state()`` reads ``RESCHEDULING`` until then); a restart into such a slot waits for it, and
-the driver bounds that wait.
+(``group_state`` reads ``RESCHEDULING`` until then): a rollout slot waits for it (state
+``waiting_capacity``) and a trainer restart waits within ``ray.placement_timeout_s``.
 """
 
 from __future__ import annotations
@@ -125,39 +128,73 @@ def _holds(node: Mapping[str, float], bundle: Mapping[str, float]) -> bool:
 
 @dataclass
 class Reservation:
-    """The job's placement group: bundles ``0..trainer-1`` for the trainer ranks, then one per
-    rollout node slot."""
+    """The job's placement groups: one for the trainer ranks (bundles ``0..trainer-1``) and
+    one per rollout node slot (one bundle each, ``slots``), which the supervisor owns from
+    the start on: it creates one for a slot added by ``rollcall job scale``, and a new one for
+    a slot moved off a draining machine."""
 
     group: Any
     trainer: int
-    rollout: int
+    slots: list[Any]
+    bundle: dict[str, float]  # one rollout node's
+    job: str
 
     def trainer_strategies(self) -> list[Any]:
-        return [self._strategy(i) for i in range(self.trainer)]
+        return [strategy(self.group, i) for i in range(self.trainer)]
 
-    def rollout_strategy(self, index: int) -> Any:
-        return self._strategy(self.trainer + index)
+    def new_slot(self, name: str) -> Any:
+        """A new placement group for rollout slot ``name`` (Ray places it when it can); the
+        reservation keeps it until ``drop`` or ``remove``."""
+        from ray.util.placement_group import placement_group
 
-    def _strategy(self, bundle: int) -> Any:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        group = placement_group(
+            [self.bundle],
+            strategy="PACK",
+            name=f"rollcall-{self.job}-{name}-{uuid.uuid4().hex[:6]}",
+        )
+        self.slots.append(group)
+        return group
 
-        return PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle)
+    def drop(self, group: Any) -> None:
+        """Give a rollout slot's group back to the cluster."""
+        if group in self.slots:
+            self.slots.remove(group)
+        remove_group(group)
 
     def state(self) -> str:
-        """Ray's state of the group: CREATED, PENDING, RESCHEDULING (a node that held bundles
-        was lost and they are not placed again yet), REMOVED."""
-        from ray.util.placement_group import placement_group_table
-
-        try:
-            return str(placement_group_table(self.group).get("state", "UNKNOWN"))
-        except Exception:  # only informs a message
-            return "UNKNOWN"
+        """Ray's state of the trainer's group: CREATED, PENDING, RESCHEDULING (a node that held
+        bundles was lost and they are not placed again yet), REMOVED."""
+        return group_state(self.group)[0]
 
     def remove(self) -> None:
-        from ray.util.placement_group import remove_placement_group
+        for g in [self.group, *self.slots]:
+            remove_group(g)
 
-        with contextlib.suppress(Exception):  # already gone (Ray shut down)
-            remove_placement_group(self.group)
+
+def strategy(group: Any, bundle: int = 0) -> Any:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
+
+
+def group_state(group: Any) -> tuple[str, str | None]:
+    """Ray's state of a placement group and the Ray node its first bundle is on (None: not
+    placed)."""
+    from ray.util.placement_group import placement_group_table
+
+    try:
+        t = placement_group_table(group)
+    except Exception:  # Ray's control store is away: ask again later
+        return "UNKNOWN", None
+    node = (t.get("bundles_to_node_id") or {}).get(0)
+    return str(t.get("state", "UNKNOWN")), (str(node) if node else None)
+
+
+def remove_group(group: Any) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    with contextlib.suppress(Exception):  # already gone (Ray shut down)
+        remove_placement_group(group)
 
 
 def reserve(cfg: RollcallConfig, *, timeout_s: float) -> Reservation:
@@ -169,13 +206,19 @@ def reserve(cfg: RollcallConfig, *, timeout_s: float) -> Reservation:
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     check_fits(cfg, ray.cluster_resources(), nodes)
     trainer, rollout = trainer_slots(cfg), cfg.rollout.nodes
-    bundles = [trainer_bundle(cfg)] * trainer + [rollout_bundle(cfg)] * rollout
     group = placement_group(
-        bundles, strategy="PACK", name=f"rollcall-{cfg.job.name}-{uuid.uuid4().hex[:8]}"
+        [trainer_bundle(cfg)] * trainer,
+        strategy="PACK",
+        name=f"rollcall-{cfg.job.name}-trainer-{uuid.uuid4().hex[:6]}",
     )
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-    if not ready:
-        Reservation(group, trainer, rollout).remove()
+    r = Reservation(group, trainer, [], rollout_bundle(cfg), cfg.job.name)
+    for i in range(rollout):
+        r.new_slot(f"rollout-{i}")
+    ready, _ = ray.wait(
+        [g.ready() for g in [group, *r.slots]], num_returns=1 + rollout, timeout=timeout_s
+    )
+    if len(ready) < 1 + rollout:
+        r.remove()
         raise UserError(
             f"the Ray cluster could not reserve the job's resources ({trainer} trainer "
             f"rank(s) of {_show(trainer_bundle(cfg))}, {rollout} rollout node(s) of "
@@ -184,4 +227,4 @@ def reserve(cfg: RollcallConfig, *, timeout_s: float) -> Reservation:
             "pack onto the nodes); free the cluster, lower the job's resources or raise "
             "ray.placement_timeout_s"
         )
-    return Reservation(group, trainer, rollout)
+    return r

@@ -1,27 +1,38 @@
-"""The rollout nodes' supervisor: restarts dead nodes with exponential backoff and a budget.
+"""The rollout nodes' supervisor: one slot per rollout node, restarted with backoff within a
+budget that only the node's own failures spend, placed where Ray has room, and a fleet that
+grows, shrinks and moves off draining machines under a running job.
 
-A node is down when its actor died (its ``run`` call failed: SIGKILL, lost Ray node, an engine
-failure or a tripped breaker raised by the node), when it stopped because the database declared
-it dead, or when the database declared it dead while the actor still exists (a hang: SIGSTOP,
-a deadlocked engine). The supervisor kills what is left of it, makes sure its leases are
-requeued (the next claimer resumes from the checkpoints), and starts a new incarnation of the
-same slot after ``backoff_base_s * 2^(restarts-1)`` seconds (capped).
+A slot is in one state (``rollout_slots.state``, shown by ``rollcall status`` and
+``rollcall worker list``):
 
-A start has two stages, each with its own bound. The actor's process must come up and register
-its worker row (``starting``) within ``start_timeout_s``; from then on it beats while its
-engine loads, and a node that beats is starting, not dead, until ``engine_start_timeout_s``.
-A start that fails (the constructor raised, a bound passed, declared dead while starting)
-counts against the budget like any other death. Only Ray's structured word that the machine
-is gone (``NodeDiedError``, a preempted actor, or the node the worker registered from no
-longer alive in Ray's node table) does not count: that is not the slot's fault. A slot that
-needs more than ``max_restarts`` restarts within ``restart_window_s`` is marked failed, with a
-``worker.failed`` event; the job goes on with the other nodes, and ``all_failed`` tells the
-driver when none is left. Recovery goes through the normal path: the new actor registers a
-new worker incarnation and takes work from the buffer like any node.
+- ``waiting_capacity``: its placement group (``orchestrator/runner/placement.py``, one bundle
+  per slot) is not placed on a live machine (no machine has room: lost, never there, or the
+  slot is new). It starts as soon as Ray places it (a machine joined, another job ended),
+  with one line when it starts waiting and one when it is placed. Never counted.
+- ``starting``, ``alive``: an incarnation is up or coming up. A start has two bounds: its
+  process registers (``starting``) within ``start_timeout_s``, then its engine is up within
+  ``engine_start_timeout_s`` while it beats.
+- ``awaiting_ray``: it died in a way that its machine's loss explains too (its actor became
+  unreachable, it stopped beating, it did not register): the restart waits for Ray's word on
+  the machine (``orchestrator/runner/raynodes.py``): the node marked dead, or the actor
+  recorded dead with it, is a lost machine (not counted, and the slot waits for Ray to place
+  its group elsewhere); a probe the machine answers, or ``machine_verdict_s`` without a word,
+  makes it the node's own death. So a restart never goes into a bundle on a dying machine.
+- ``restarting``: down by its own failure (its code raised: an ``EngineFailure``, a tripped
+  breaker, a constructor that raised; or its machine proved alive), counted, restarted after
+  ``backoff_base_s * 2^(n-1)`` seconds (capped).
+- ``draining``: its machine is being drained (Ray's draining state: ``rollcall node drain``,
+  ``ray drain-node``, an autoscaler) or the fleet shrinks (``rollcall job scale``): the node
+  finishes its in-flight turns, checkpoints them and gives its leases back (``drain()``),
+  within ``drain_timeout_s``; then the slot gets a new placement group (Ray places nothing new
+  on a draining machine) or is removed.
+- ``failed``: more than ``max_restarts`` counted restarts within ``restart_window_s``; the job
+  goes on with the other slots (``all_failed`` when none is left). ``removed``: scaled away.
 
-The driver runs ``check()`` as a scheduler job, on its own thread, so supervision never waits
-on the trainer or the driver's loop; a lock keeps ``check()``, ``actors`` and ``stop()``
-apart, and once ``stop()`` ran, ``check()`` starts nothing.
+Whatever ends an incarnation, its leases are requeued at once (the next claimer resumes from
+the checkpoints). The driver runs ``check()`` as a scheduler job, on its own thread, so
+supervision never waits on the trainer or the driver's loop; a lock keeps ``check()``,
+``actors`` and ``stop()`` apart, and once ``stop()`` ran, ``check()`` starts nothing.
 """
 
 from __future__ import annotations
@@ -36,34 +47,56 @@ from typing import Any
 
 from orchestrator.buffer.service import Buffer
 from orchestrator.domain import WorkerStatus
+from orchestrator.runner import raynodes
 
 log = logging.getLogger(__name__)
+
+# how a death is judged: the node's own (counted), its machine's (not counted), or unknown
+# until Ray says whether the machine is alive
+OWN, MACHINE, UNKNOWN = "own", "machine", "unknown"
+# after a machine loss Ray places the lost groups elsewhere within moments where there is room:
+# a slot says it waits for capacity only once that has had time
+RESCHEDULE_GRACE_S = 5.0
+ACTIVE = ("starting", "alive", "restarting", "awaiting_ray", "waiting_capacity", "draining")
 
 
 @dataclass
 class Slot:
     name: str
     index: int
+    group: Any = None  # its placement group (None: no reservation, placed anywhere)
+    state: str = "waiting_capacity"
+    since: float = field(default_factory=time.monotonic)  # in this state since
+    reason: str | None = None  # why it is in its state
     actor: Any = None
     run_ref: Any = None
     worker_ref: Any = None
     worker_id: int | None = None
     prev_worker_id: int | None = None  # the slot's latest incarnation before this start
-    node_id: str | None = None  # the Ray node the incarnation registered from
+    node_id: str | None = None  # the Ray node the incarnation runs on
     up: bool = False  # its constructor finished: the engine is up
     registered_at: float = 0.0
-    restarts: int = 0
+    restarts: int = 0  # counted within the window
+    losses: int = 0  # machine losses (not counted)
     started_at: float = 0.0
     next_start_at: float = 0.0
-    failed: bool = False
+    said_waiting: bool = False
+    quiet_until: float = 0.0  # no waiting line before (Ray re-places a lost machine's groups)
+    verdict: dict[str, Any] | None = None  # awaiting Ray: the death, the node, a probe, until
+    drain_until: float = 0.0
+    remove: bool = False  # scaled away: removed once drained
     history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.state == "failed"
 
 
 class Supervisor:
     def __init__(
         self,
         buffer: Buffer,
-        start_node: Callable[[int], Any],
+        start_node: Callable[..., Any],
         *,
         nodes: int,
         max_restarts: int,
@@ -72,8 +105,16 @@ class Supervisor:
         backoff_cap_s: float = 30.0,
         start_timeout_s: float = 120.0,
         engine_start_timeout_s: float = 900.0,
+        machine_verdict_s: float = 60.0,
+        drain_timeout_s: float = 120.0,
+        placement: Any = None,
         say: Callable[[str], None] = log.info,
     ) -> None:
+        """``start_node(index, strategy)`` creates slot ``index``'s actor (``strategy``: where
+        Ray places it, its placement group's bundle; None without ``placement``).
+        ``placement``: the job's ``Reservation`` (its ``slots`` are the first ``nodes``
+        slots' groups, placed); None: no reservation (tests), nodes go wherever Ray puts them
+        and the fleet does not change."""
         self.buffer = buffer
         self.start_node = start_node
         self.max_restarts = max_restarts
@@ -82,13 +123,24 @@ class Supervisor:
         self.backoff_cap_s = backoff_cap_s
         self.start_timeout_s = start_timeout_s
         self.engine_start_timeout_s = engine_start_timeout_s
+        self.machine_verdict_s = machine_verdict_s
+        self.drain_timeout_s = drain_timeout_s
+        self.placement = placement
         self.say = say
-        self.slots = [Slot(f"rollout-{i}", i) for i in range(nodes)]
         self._lock = threading.Lock()
         self._stopped = False
         self.final_reports: list[dict[str, Any]] = []  # what the stopped nodes' runs returned
+        self._nodes: dict[str, dict[str, Any]] | None = None  # Ray's node table, this pass
+        self._waiting_since: float | None = None  # no slot up or starting since then
+        groups = list(placement.slots) if placement is not None else []
+        self.slots = [Slot(f"rollout-{i}", i) for i in range(nodes)]
+        for slot, group in zip(self.slots, groups, strict=False):
+            slot.group = group
+        self._nodes = raynodes.nodes() if placement is not None else None
         for slot in self.slots:
-            self._start(slot)
+            self._place(slot, time.monotonic())
+
+    # -- views --------------------------------------------------------------------------------
 
     @property
     def actors(self) -> list[Any]:
@@ -112,6 +164,7 @@ class Supervisor:
                 for s in self.slots
                 if s.actor is not None
                 and s.up
+                and s.state == "alive"
                 and s.worker_id is not None
                 and health.get(s.name, {}).get("id") == s.worker_id
                 and health[s.name]["status"] == "alive"
@@ -121,7 +174,8 @@ class Supervisor:
     def all_failed(self) -> bool:
         """Every slot is over its restart budget: the job has no rollout node left."""
         with self._lock:
-            return all(s.failed for s in self.slots)
+            live = [s for s in self.slots if s.state != "removed"]
+            return bool(live) and all(s.failed for s in live)
 
     def failures(self) -> list[str]:
         """Why each failed slot failed (its last reason)."""
@@ -130,66 +184,99 @@ class Supervisor:
                 f"{s.name}: {s.history[-1]['reason']}" for s in self.slots if s.failed and s.history
             ]
 
-    def _start(self, slot: Slot) -> None:
-        latest = {w["name"]: w["id"] for w in self.buffer.node_health()}
-        slot.prev_worker_id = latest.get(slot.name)
-        slot.actor = self.start_node(slot.index)
-        slot.run_ref = slot.actor.run.remote()
-        slot.worker_ref = slot.actor.worker_id.remote()
-        slot.worker_id = None
-        slot.node_id = None
-        slot.up = False
-        slot.started_at = time.monotonic()
+    def waiting_for_capacity(self) -> float | None:
+        """Seconds since no slot has been up, starting or able to start (every one waits for
+        a machine, or for Ray's word on its lost one), or None."""
+        with self._lock:
+            if self._waiting_since is None:
+                return None
+            return time.monotonic() - self._waiting_since
+
+    def states(self) -> dict[str, int]:
+        with self._lock:
+            out: dict[str, int] = {}
+            for s in self.slots:
+                out[s.state] = out.get(s.state, 0) + 1
+            return out
+
+    # -- a pass -------------------------------------------------------------------------------
 
     def check(self) -> None:
-        """One supervision pass: detect down nodes, restart those whose backoff has passed."""
+        """One supervision pass: the fleet's size, draining machines, down nodes, verdicts,
+        placements and restarts."""
         with self._lock:
             if not self._stopped:
                 self._check()
 
     def _check(self) -> None:
+        now = time.monotonic()
+        if self.placement is not None:
+            self._nodes = raynodes.nodes()
+            self._resize(now)
+            draining = raynodes.draining()
+        else:
+            draining = set()
+        health = {w["name"]: w for w in self.buffer.node_health()}  # latest incarnations
+        for slot in self.slots:
+            if slot.state in ("failed", "removed"):
+                continue
+            if slot.state == "draining":
+                self._drained(slot, now)
+            elif slot.state == "awaiting_ray":
+                self._judge(slot, now)
+            elif slot.state in ("waiting_capacity", "restarting"):
+                if now >= slot.next_start_at:
+                    self._place(slot, now, draining)
+            else:
+                self._watch(slot, health.get(slot.name), now, draining)
+        active = [s for s in self.slots if s.state in ACTIVE]
+        waiting = bool(active) and all(
+            s.state in ("waiting_capacity", "awaiting_ray") for s in active
+        )
+        if not waiting:
+            self._waiting_since = None
+        elif self._waiting_since is None:
+            self._waiting_since = now
+
+    def _watch(
+        self, slot: Slot, row: dict[str, Any] | None, now: float, draining: set[str]
+    ) -> None:
+        """A starting or alive slot: is its incarnation down, or its machine draining?"""
         import ray
 
-        health = {w["name"]: w for w in self.buffer.node_health()}  # latest incarnations
-        now = time.monotonic()
-        for slot in self.slots:
-            if slot.failed:
-                continue
-            if slot.actor is None:
-                if now >= slot.next_start_at:
-                    self._start(slot)
-                    self.say(f"{slot.name}: restarted (restart {slot.restarts})")
-                continue
-            row = health.get(slot.name)
-            if slot.worker_id is None and row is not None and row["id"] != slot.prev_worker_id:
-                slot.worker_id = int(row["id"])  # registered: its process is up, engine loading
-                slot.node_id = row.get("node_id")
-                slot.registered_at = now
-            if not slot.up:
-                reason = self._starting(slot, row, now)
-                if reason is not None:
-                    self._down(slot, *reason)
-                continue
-            reason_text = None
-            lost_machine = False
-            declared = _declared_dead(row, slot.worker_id)
-            ready, _ = ray.wait([slot.run_ref], timeout=0)
-            if ready:
-                try:
-                    ray.get(slot.run_ref)
-                    reason_text = f"stopped ({declared or 'declared dead by the control plane'})"
-                except Exception as e:
-                    reason_text = _death_reason(e)
-                    lost_machine = _machine_lost(e, slot.node_id)
-            elif declared is not None:
-                reason_text = declared
-            if reason_text is not None:
-                self._down(slot, reason_text, lost_machine)
+        if slot.worker_id is None and row is not None and row["id"] != slot.prev_worker_id:
+            slot.worker_id = int(row["id"])  # registered: its process is up, engine loading
+            slot.node_id = row.get("node_id") or slot.node_id
+            slot.registered_at = now
+        if slot.node_id is not None and slot.node_id in draining:
+            self._drain(slot, now, f"its machine, {self._where(slot.node_id)}, is draining")
+            return
+        if not slot.up:
+            failed = self._starting(slot, row, now)
+            if failed is not None:
+                self._down(slot, *failed)
+            elif slot.up:
+                self._set(slot, "alive", None)
+                if slot.history or slot.said_waiting:
+                    self.say(f"{slot.name}: up on {self._where(slot.node_id)}")
+            return
+        declared = _declared_dead(row, slot.worker_id)
+        ready, _ = ray.wait([slot.run_ref], timeout=0)
+        if ready:
+            try:
+                ray.get(slot.run_ref)
+                self._down(
+                    slot, f"stopped ({declared or 'declared dead by the control plane'})", UNKNOWN
+                )
+            except Exception as e:
+                self._down(slot, _death_reason(e), _judge_error(e, slot))
+        elif declared is not None:
+            self._down(slot, declared, UNKNOWN)
 
     def _starting(
         self, slot: Slot, row: dict[str, Any] | None, now: float
-    ) -> tuple[str, bool] | None:
-        """A start in progress: None while it may go on, else (why it failed, machine lost)."""
+    ) -> tuple[str, str] | None:
+        """A start in progress: None while it may go on, else (why it failed, its judgement)."""
         import ray
 
         ready, _ = ray.wait([slot.worker_ref], timeout=0)
@@ -197,28 +284,28 @@ class Supervisor:
             try:
                 slot.worker_id = int(ray.get(slot.worker_ref))
             except Exception as e:  # the constructor failed (a bad model path, an engine error)
-                return f"failed to start: {_death_reason(e)}", _machine_lost(e, slot.node_id)
+                return f"failed to start: {_death_reason(e)}", _judge_error(e, slot)
             slot.up = True
             return None
         if slot.worker_id is None:  # the process has not registered yet
             if now - slot.started_at > self.start_timeout_s:
                 return (
-                    f"did not start within {self.start_timeout_s:.0f} s (not placed, or its "
-                    "process never registered)",
-                    False,
+                    f"did not start within {self.start_timeout_s:.0f} s (its process never "
+                    "registered)",
+                    UNKNOWN,
                 )
             return None
         status = row["status"] if row is not None and row["id"] == slot.worker_id else None
         if status in ("dead", "failed"):
-            return "declared dead while starting (its heartbeats stopped)", False
+            return "declared dead while starting (its heartbeats stopped)", UNKNOWN
         if now - slot.registered_at > self.engine_start_timeout_s:
-            return f"engine not up within {self.engine_start_timeout_s:.0f} s", False
+            return f"engine not up within {self.engine_start_timeout_s:.0f} s", OWN
         return None  # beating while its engine loads: starting, not dead
 
-    def _down(self, slot: Slot, reason: str, lost_machine: bool = False) -> None:
-        """``lost_machine``: Ray reports the actor's node gone. That is not the slot's fault and
-        does not count against its budget: until Ray notices the node is dead (its health
-        check), a restart may be placed on it again and fail the same way."""
+    # -- deaths and verdicts ------------------------------------------------------------------
+
+    def _down(self, slot: Slot, reason: str, judged: str) -> None:
+        """An incarnation ended: requeue its leases now, then judge the death."""
         import ray
 
         with contextlib.suppress(Exception):  # already gone
@@ -228,16 +315,85 @@ class Supervisor:
             self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD)
         slot.actor = slot.run_ref = slot.worker_ref = None
         slot.up = False
+        node = slot.node_id
+        if judged == UNKNOWN and self.placement is None:
+            judged = OWN if node is None or _ray_node_alive(node) else MACHINE
+        if judged == UNKNOWN and (node is None or not self._alive(node)):
+            judged = MACHINE if node is not None else OWN
+        if judged == UNKNOWN:
+            assert node is not None
+            slot.verdict = {
+                "reason": reason,
+                "node": node,
+                "probe": raynodes.probe(node),
+                "until": time.monotonic() + self.machine_verdict_s,
+            }
+            self._set(slot, "awaiting_ray", reason)
+            self.say(
+                f"{slot.name}: down ({reason}); waiting for Ray's word on its machine, "
+                f"{self._where(node)}, before restarting it"
+            )
+            return
+        if judged == MACHINE:
+            self._lost(slot, reason)
+        else:
+            self._counted(slot, reason)
+
+    def _judge(self, slot: Slot, now: float) -> None:
+        """A slot awaiting Ray's word on its machine."""
+        v = slot.verdict
+        assert v is not None
+        if not self._alive(v["node"]):
+            slot.verdict = None
+            self._lost(slot, v["reason"])
+        elif raynodes.answered(v["probe"]):
+            slot.verdict = None
+            self._counted(slot, f"{v['reason']}; its machine is alive")
+        elif now >= v["until"]:
+            slot.verdict = None
+            self._counted(
+                slot,
+                f"{v['reason']}; Ray did not say its machine was lost within "
+                f"{self.machine_verdict_s:.0f} s",
+            )
+
+    def _lost(self, slot: Slot, reason: str) -> None:
+        """Its machine is gone: not counted; the slot starts again as soon as Ray places its
+        group on a live machine (at once where there is room)."""
+        node = slot.node_id
+        slot.losses += 1
+        slot.history.append(
+            {"at": time.monotonic(), "reason": reason, "worker_id": slot.worker_id,
+             "counted": False}
+        )  # fmt: skip
+        where = self._where(node)
+        self.buffer.event(
+            "worker.machine_lost",
+            f"{slot.name} down with its machine, {where} ({reason}); not counted against its "
+            "restart budget",
+            {"slot": slot.name, "ray_node_id": node, "reason": reason},
+        )
+        self.say(
+            f"{slot.name}: its machine, {where}, is lost ({reason}); not counted against its "
+            "restart budget; it starts again where Ray has room"
+        )
+        slot.next_start_at = 0.0
+        slot.quiet_until = time.monotonic() + RESCHEDULE_GRACE_S
+        self._set(slot, "waiting_capacity", f"its machine, {where}, was lost")
+        slot.said_waiting = False
+
+    def _counted(self, slot: Slot, reason: str) -> None:
+        """The node's own failure: counted against the budget; restarted after a backoff."""
         now = time.monotonic()
         slot.history.append(
-            {"at": now, "reason": reason, "worker_id": slot.worker_id, "counted": not lost_machine}
+            {"at": now, "reason": reason, "worker_id": slot.worker_id, "counted": True}
         )
         # the budget counts the restarts of the last restart_window_s: a node that has been
         # healthy for a while gets its budget back
         recent = [h for h in slot.history if now - h["at"] <= self.restart_window_s]
-        slot.restarts = sum(1 for h in recent if h["counted"])
+        counted = [h for h in recent if h["counted"]]
+        slot.restarts = len(counted)
         if slot.restarts > self.max_restarts:
-            slot.failed = True
             if slot.worker_id is not None:
                 self.buffer.requeue_worker(slot.worker_id, WorkerStatus.FAILED)
             self.buffer.event(
@@ -251,16 +407,206 @@ class Supervisor:
                 f"{self.restart_window_s:.0f} s, over its budget of {self.max_restarts} restarts "
                 f"({reason}); the job continues without it"
             )
+            self._set(slot, "failed", reason)
+            if self.placement is not None:
+                self.placement.drop(slot.group)  # its resources go back to the cluster
             return
-        delay = min(self.backoff_cap_s, self.backoff_base_s * 2 ** (len(recent) - 1))
-        slot.next_start_at = time.monotonic() + delay
+        delay = min(self.backoff_cap_s, self.backoff_base_s * 2 ** (len(counted) - 1))
+        slot.next_start_at = now + delay
         self.buffer.event(
             "worker.restarting",
             f"{slot.name} down ({reason}); restart {slot.restarts}/{self.max_restarts} "
             f"in {delay:.1f} s",
             {"slot": slot.name, "restarts": slot.restarts, "reason": reason, "delay_s": delay},
         )
-        self.say(f"{slot.name}: down ({reason}); restarting in {delay:.1f} s")
+        self.say(
+            f"{slot.name}: down ({reason}); restart {slot.restarts}/{self.max_restarts} in "
+            f"{delay:.1f} s"
+        )
+        self._set(slot, "restarting", reason)
+
+    # -- placement ----------------------------------------------------------------------------
+
+    def _place(self, slot: Slot, now: float, draining: set[str] | None = None) -> None:
+        """Start the slot's next incarnation where its group is placed, or wait for room."""
+        if self.placement is None:
+            self._start(slot, None, None)
+            return
+        from orchestrator.runner.placement import group_state, strategy
+
+        state, node = group_state(slot.group)
+        if node is not None and node in (draining or set()):
+            self._regroup(slot)  # placed on a draining machine: ask Ray for room elsewhere
+            state, node = group_state(slot.group)
+        if state == "CREATED" and node is not None and self._alive(node):
+            waited = now - slot.since if slot.state == "waiting_capacity" else 0.0
+            if slot.said_waiting:
+                self.buffer.event(
+                    "worker.placed",
+                    f"{slot.name} placed on {self._where(node)} after waiting {waited:.0f} s",
+                    {"slot": slot.name, "ray_node_id": node, "waited_s": waited},
+                )
+                self.say(
+                    f"{slot.name}: placed on {self._where(node)} after waiting {waited:.0f} s "
+                    "for capacity; starting"
+                )
+            slot.said_waiting = False
+            self._start(slot, strategy(slot.group), node)
+            return
+        if slot.state != "waiting_capacity":
+            self._set(slot, "waiting_capacity", "no machine has room for its slot")
+        if not slot.said_waiting and now >= slot.quiet_until:
+            slot.said_waiting = True
+            up = sum(1 for s in self.slots if s.state in ("alive", "starting"))
+            bundle = ", ".join(f"{v:g} {k}" for k, v in self.placement.bundle.items())
+            self.buffer.event(
+                "worker.waiting_capacity",
+                f"{slot.name} waits for a machine with room for its slot ({bundle})",
+                {"slot": slot.name, "bundle": self.placement.bundle},
+            )
+            self.say(
+                f"{slot.name}: waiting for capacity: no Ray node has room for its slot "
+                f"({bundle}); the job goes on with {up} rollout node(s)"
+            )
+
+    def _start(self, slot: Slot, placement_strategy: Any, node: str | None) -> None:
+        latest = {w["name"]: w["id"] for w in self.buffer.node_health()}
+        slot.prev_worker_id = latest.get(slot.name)
+        slot.actor = (
+            self.start_node(slot.index, placement_strategy)
+            if self.placement is not None
+            else self.start_node(slot.index)
+        )
+        slot.run_ref = slot.actor.run.remote()
+        slot.worker_ref = slot.actor.worker_id.remote()
+        slot.worker_id = None
+        slot.node_id = node
+        slot.up = False
+        slot.started_at = time.monotonic()
+        if slot.history:
+            self.say(f"{slot.name}: restarted (restart {slot.restarts})")
+        self._set(slot, "starting", None)
+
+    def _regroup(self, slot: Slot) -> None:
+        """A new placement group for the slot (the old one's machine is draining)."""
+        assert self.placement is not None
+        self.placement.drop(slot.group)
+        slot.group = self.placement.new_slot(slot.name)
+
+    # -- the fleet ----------------------------------------------------------------------------
+
+    def _resize(self, now: float) -> None:
+        """Match the fleet to the size the job should have (``rollcall job scale``)."""
+        target = self.buffer.fleet_size()
+        if target is None:
+            return
+        active = [s for s in self.slots if s.state in ACTIVE and not s.remove]
+        for _ in range(target - len(active)):
+            slot = Slot(f"rollout-{len(self.slots)}", len(self.slots))
+            assert self.placement is not None
+            slot.group = self.placement.new_slot(slot.name)
+            self.slots.append(slot)
+            self.buffer.event(
+                "worker.added",
+                f"{slot.name} added: the job scaled to {target} rollout nodes",
+                {"slot": slot.name, "target": target},
+            )
+            self.say(f"{slot.name}: added (the job scaled to {target} rollout nodes)")
+            self._place(slot, now)
+        extra = len(active) - target
+        for slot in sorted(active, key=lambda s: -s.index)[: max(0, extra)]:
+            slot.remove = True
+            self.say(f"{slot.name}: removing it (the job scaled to {target} rollout nodes)")
+            if slot.state in ("alive", "starting"):
+                self._drain(slot, now, f"the job scaled to {target} rollout nodes")
+            elif slot.state != "draining":
+                self._removed(slot)
+
+    def _drain(self, slot: Slot, now: float, why: str) -> None:
+        """Ask the node to finish its in-flight turns and give its leases back."""
+        if slot.up:
+            slot.actor.drain.remote()
+        slot.drain_until = now + self.drain_timeout_s
+        self.buffer.event(
+            "worker.draining",
+            f"{slot.name} draining: {why}",
+            {"slot": slot.name, "ray_node_id": slot.node_id, "reason": why},
+        )
+        self.say(f"{slot.name}: draining ({why}): finishing its turns, giving its episodes back")
+        self._set(slot, "draining", why)
+
+    def _drained(self, slot: Slot, now: float) -> None:
+        import ray
+
+        done = slot.run_ref is None or bool(ray.wait([slot.run_ref], timeout=0)[0])
+        if not done and now < slot.drain_until and slot.up:
+            return
+        note = "" if done and slot.up else f" (not done within {self.drain_timeout_s:.0f} s)"
+        if done and slot.run_ref is not None:
+            with contextlib.suppress(Exception):  # it ended with an error: no report
+                self.final_reports.append(ray.get(slot.run_ref, timeout=0))
+        with contextlib.suppress(Exception):
+            ray.kill(slot.actor, no_restart=True)
+        if slot.worker_id is not None:  # whatever it still holds goes back (not counted)
+            self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD)
+        slot.actor = slot.run_ref = slot.worker_ref = None
+        slot.up = False
+        self.buffer.event(
+            "worker.drained",
+            f"{slot.name} drained{note}",
+            {"slot": slot.name, "ray_node_id": slot.node_id},
+        )
+        self.say(f"{slot.name}: drained{note}")
+        if slot.remove:
+            self._removed(slot)
+            return
+        self._regroup(slot)
+        slot.next_start_at = 0.0
+        slot.said_waiting = False
+        self._set(slot, "waiting_capacity", "moved off its draining machine")
+        self._place(slot, now)
+
+    def _removed(self, slot: Slot) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(slot.actor, no_restart=True)
+        if slot.worker_id is not None and slot.actor is not None:
+            self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD)
+        slot.actor = slot.run_ref = slot.worker_ref = None
+        slot.up = False
+        if self.placement is not None:
+            self.placement.drop(slot.group)
+        self.buffer.event("worker.removed", f"{slot.name} removed", {"slot": slot.name})
+        self._set(slot, "removed", "the job scaled down")
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _alive(self, node: str) -> bool:
+        """Alive in Ray's node table (this pass's); a node Ray cannot tell about counts as
+        alive (no structured word that it is gone)."""
+        if self._nodes is None:
+            return True
+        n = self._nodes.get(node)
+        return True if n is None else bool(n.get("Alive"))
+
+    def _where(self, node: str | None) -> str:
+        return raynodes.host(self._nodes, node)
+
+    def _set(self, slot: Slot, state: str, reason: str | None) -> None:
+        """The slot's state, recorded for operators (a database outage only delays that)."""
+        if slot.state != state:
+            slot.since = time.monotonic()
+        slot.state = state
+        slot.reason = reason
+        try:
+            self.buffer.record_slot(
+                slot.name, state=state, reason=reason, ray_node_id=slot.node_id,
+                restarts=slot.restarts, max_restarts=self.max_restarts,
+                machine_losses=slot.losses,
+            )  # fmt: skip
+        except Exception:
+            log.warning("could not record %s's state %s", slot.name, state, exc_info=True)
 
     def stop(self) -> list[int]:
         """Stop every node (``run`` returns after its current episodes); returns their worker
@@ -321,34 +667,46 @@ def _death_reason(e: BaseException) -> str:
     return f"actor died ({type(e).__name__})"
 
 
-def _machine_lost(e: BaseException, node_id: str | None = None) -> bool:
-    """Whether Ray says the actor's machine is gone (rather than the actor failing by itself),
-    from its structured errors only, never from message text: ``NodeDiedError``; an actor
-    death Ray marks preempted; or, for an actor that died by itself (not in its constructor),
-    the Ray node it registered from (``node_id``) no longer alive in Ray's node table."""
+def _judge_error(e: BaseException, slot: Slot | None = None) -> str:
+    """How an actor's error is judged, from Ray's structured words only, never message text:
+    the node's own code raised (``RayTaskError``, a constructor that raised): ``OWN``;
+    ``NodeDiedError`` or a preempted actor: ``MACHINE``; any other actor death: what Ray's
+    actor table recorded (died with its node: ``MACHINE``; dead for another reason, reported
+    by its machine's raylet: ``OWN``; not recorded dead yet, as for an actor that became
+    unreachable: ``UNKNOWN``, the machine's verdict decides)."""
     import ray.exceptions
 
     if isinstance(e, ray.exceptions.NodeDiedError):
-        return True
+        return MACHINE
     if isinstance(e, ray.exceptions.RayTaskError):  # the node's own code raised: its failure
-        return False
+        return OWN
     if isinstance(e, ray.exceptions.RayActorError):
         if e.actor_init_failed:  # its constructor raised
-            return False
+            return OWN
         if e.preempted:
-            return True
+            return MACHINE
+        death = raynodes.actor_death(slot.actor) if slot is not None and slot.actor else None
+        if death == "node_died":
+            return MACHINE
+        if death == "own":
+            return OWN
+        return UNKNOWN
+    return OWN
+
+
+def _machine_lost(e: BaseException, node_id: str | None = None) -> bool:
+    """Whether Ray says at once that the actor's machine is gone: ``NodeDiedError``, a
+    preempted actor, or (for another actor death) its Ray node ``node_id`` no longer alive in
+    Ray's node table. A death this cannot tell (``UNKNOWN``) waits for Ray's verdict in the
+    supervisor."""
+    judged = _judge_error(e)
+    if judged == UNKNOWN:
         return node_id is not None and not _ray_node_alive(node_id)
-    return False
+    return judged == MACHINE
 
 
 def _ray_node_alive(node_id: str) -> bool:
-    import ray
-
-    try:
-        nodes = ray.nodes()
-    except Exception:  # Ray's control store is away: no structured answer, count it
-        return True
-    for n in nodes:
-        if n.get("NodeID") == node_id:
-            return bool(n.get("Alive"))
-    return True  # not in the table: no structured answer, count it
+    table = raynodes.nodes()
+    if table is None or node_id not in table:
+        return True  # no structured answer: count it
+    return bool(table[node_id].get("Alive"))

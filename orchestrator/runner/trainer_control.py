@@ -89,13 +89,15 @@ class TrainerControl:
             restored = pub_version
         if restored < self.step:
             self.console.print(
-                f"warning: the updates of steps {restored}..{self.step - 1} were lost with the "
+                f"warning: the updates of steps {restored + 1}..{self.step} were lost with the "
                 "trainer (neither checkpointed nor published; their trajectories stay "
                 f"consumed); training continues from version {restored}'s weights. Set "
                 "trainer.checkpoint_every: 1 or trainer.sync_every: 1 to lose none.",
                 markup=False,
             )
-        parts = [f"the checkpoint of step {last[0]} ({last[1]})"] if last is not None else []
+        # lines count steps from 1 ("step 12/15", "stopped at step 12": 12 committed); the
+        # checkpoint's row is 0-based (step 11 is the twelfth)
+        parts = [f"the checkpoint of step {last[0] + 1} ({last[1]})"] if last is not None else []
         if published is not None and restored > ckpt_version:
             parts.append(
                 f"the weights published as version {pub_version} ({published[1]}), newer "

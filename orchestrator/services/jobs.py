@@ -69,6 +69,39 @@ def request_stop(tx: Tx, name: str, *, actor: str) -> bool:
     return True
 
 
+MAX_ROLLOUT_NODES = 4096
+
+
+def scale(tx: Tx, name: str, rollout_nodes: int, *, actor: str) -> int:
+    """Set the rollout nodes a running job should have (``rollcall job scale``); its driver's
+    supervisor adds slots (placed where Ray has room, or waiting for it) or drains the extra
+    ones (their in-flight turns checkpointed, their leases given back) within seconds. Returns
+    the previous size. Refused for a job no driver runs (``rollout.nodes`` sets the size of
+    its next run) and for a size below 1."""
+    job = require_job(tx, name)
+    if not 1 <= rollout_nodes <= MAX_ROLLOUT_NODES:
+        raise UserError(
+            f"--rollout-nodes must be between 1 and {MAX_ROLLOUT_NODES}, got {rollout_nodes}; "
+            f"`rollcall job stop {name}` stops the job instead"
+        )
+    if not tx.jobs.driver_alive(job.id) or job.status is not JobStatus.RUNNING:
+        raise ConflictError(
+            f"job {name!r} is not running (status {job.status.value}), so there is no fleet "
+            "to scale; set rollout.nodes when you continue it with `rollcall run CONFIG "
+            "--resume`"
+        )
+    before = tx.fleet.size(job.id) or 0
+    tx.fleet.set_size(job.id, rollout_nodes)
+    tx.events.add(
+        "job.scaled",
+        actor,
+        f"job {name!r} scaled from {before} to {rollout_nodes} rollout nodes",
+        job_id=job.id,
+        payload={"from": before, "to": rollout_nodes},
+    )
+    return before
+
+
 def describe_driver(info: dict[str, Any] | None) -> str:
     """``pid 123 on host h, started 2026-01-31 12:00:00``, from ``jobs.driver``."""
     if not info:

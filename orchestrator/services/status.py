@@ -72,6 +72,7 @@ class JobSnapshot:
     steps: list[StepSummary]  # the last MIX_WINDOW_STEPS + 1, oldest first
     events: dict[str, int] = field(default_factory=dict)  # kind -> count
     drills: list[DrillCount] = field(default_factory=list)
+    slots: list[dict[str, Any]] = field(default_factory=list)  # rollout slots (supervisor's)
 
     @property
     def busy_ratio(self) -> float | None:
@@ -176,11 +177,72 @@ def snapshot(tx: Tx, job_id: int) -> JobSnapshot:
         steps=steps,
         events=tx.monitoring.event_counts(job_id),
         drills=tx.monitoring.drill_counts(job_id),
+        slots=tx.fleet.slots(job_id),
     )
 
 
-def node_json(n: dict[str, Any]) -> dict[str, Any]:
+SLOT_WORDS = {
+    "waiting_capacity": "waits for a machine with room",
+    "awaiting_ray": "waits for Ray's word on its machine",
+    "restarting": "restarts",
+    "draining": "drains",
+}
+
+
+def with_slots(nodes: list[dict[str, Any]], slots: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The workers' rows with each rollout slot's state as the supervisor sees it (``slot``,
+    its counted ``budget_restarts`` of ``max_restarts``, ``machine_losses``), and a row for a
+    slot that has no incarnation yet (added, waiting for a machine)."""
+    by_name = {s["name"]: s for s in slots}
+    out = []
+    for n in nodes:
+        s = by_name.pop(n["name"], None)
+        out.append({**n, **_slot_fields(s)} if s is not None else {**n, "slot": None})
+    for s in by_name.values():
+        if s["state"] == "removed":
+            continue
+        out.append(
+            {
+                "id": None, "name": s["name"], "role": "rollout", "status": s["state"],
+                "incarnation": None, "restarts": 0, "host": None, "pid": None,
+                "node_id": s["ray_node_id"], "loaded_version": None, "heartbeat_age_s": None,
+                "progress_age_s": None, "tokens_generated": 0, **_slot_fields(s),
+            }
+        )  # fmt: skip
+    return out
+
+
+def _slot_fields(s: dict[str, Any]) -> dict[str, Any]:
     return {
+        "slot": s["state"],
+        "slot_reason": s["reason"],
+        "slot_age_s": round(s["state_age_s"], 3),
+        "budget_restarts": s["restarts"],
+        "max_restarts": s["max_restarts"],
+        "machine_losses": s["machine_losses"],
+    }
+
+
+def slot_lines(nodes: list[dict[str, Any]]) -> list[str]:
+    """One sentence per rollout slot that is not serving (waiting for capacity, for Ray's word,
+    restarting, draining)."""
+    lines = []
+    for n in nodes:
+        words = SLOT_WORDS.get(n.get("slot") or "")
+        if words:
+            why = f": {n['slot_reason']}" if n.get("slot_reason") else ""
+            lines.append(f"{n['name']} {words} (for {n['slot_age_s']:.0f} s){why}")
+    return lines
+
+
+def node_json(n: dict[str, Any]) -> dict[str, Any]:
+    slot = {
+        k: n.get(k)
+        for k in ("slot", "slot_reason", "slot_age_s", "budget_restarts", "max_restarts",
+                  "machine_losses")
+    }  # fmt: skip
+    return {
+        **slot,
         "name": n["name"],
         "role": n["role"],
         "status": n["status"],
@@ -190,8 +252,8 @@ def node_json(n: dict[str, Any]) -> dict[str, Any]:
         "pid": n["pid"],
         "node_id": n["node_id"],
         "loaded_version": n["loaded_version"],
-        "heartbeat_age_s": round(n["heartbeat_age_s"], 3),
-        "progress_age_s": round(n["progress_age_s"], 3),
+        "heartbeat_age_s": None if n["heartbeat_age_s"] is None else round(n["heartbeat_age_s"], 3),
+        "progress_age_s": None if n["progress_age_s"] is None else round(n["progress_age_s"], 3),
         "tokens_generated": n["tokens_generated"],
     }
 
@@ -263,7 +325,7 @@ def status_document(tx: Tx, job_name: str | None, *, events: int = 10) -> dict[s
             }
             for u in tx.monitoring.user_errors(job.id)
         ],
-        "nodes": [node_json(n) for n in snap.nodes],
+        "nodes": [node_json(n) for n in with_slots(snap.nodes, snap.slots)],
         "buffer": snap.depth(),
         "recent_events": [e.to_json() for e in recent],
     }
@@ -271,7 +333,10 @@ def status_document(tx: Tx, job_name: str | None, *, events: int = 10) -> dict[s
 
 def workers(tx: Tx, job_name: str | None, *, all_incarnations: bool = False) -> dict[str, Any]:
     job = resolve_job(tx, job_name)
-    rows = tx.monitoring.incarnations(job.id) if all_incarnations else tx.workers.health(job.id)
+    if all_incarnations:
+        rows = tx.monitoring.incarnations(job.id)
+    else:
+        rows = with_slots(tx.workers.health(job.id), tx.fleet.slots(job.id))
     out = []
     for r in rows:
         d = node_json(r)

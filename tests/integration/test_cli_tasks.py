@@ -228,6 +228,11 @@ def _bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["job", "create", "default"], "a job named 'default' already exists"),
         (["job", "create", "Not-Valid"], "is not a valid name"),
         (["job", "show", "nojob"], "job 'nojob' does not exist"),
+        (["job", "scale", "nojob", "--rollout-nodes", "2"], "job 'nojob' does not exist"),
+        (["job", "scale", "default", "--rollout-nodes", "0"], "--rollout-nodes must be"),
+        (["job", "scale", "default", "--rollout-nodes", "2"], "is not running"),
+        (["node", "list", "--job", "default"], "has no Ray address recorded"),
+        (["node", "drain", "abc", "--job", "nojob"], "job 'nojob' does not exist"),
     ]
 
 

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from orchestrator.db.engine import Database, normalise_url
+from orchestrator.domain import SLOT_STATES
 from orchestrator.runner.driver import JobDriver
 from orchestrator.runner.metrics import DRILLS, JOB, METRICS, MetricsExporter
 from orchestrator.settings import resolve_database
@@ -133,6 +134,7 @@ def test_exporter_matches_the_catalogue_and_the_buffer(db: Database, engine: sa.
                 "kind": {"task.registered", "drill.completed"},
                 "drill": set(DRILLS),
                 "result": {"passed", "failed"},
+                "state": set(SLOT_STATES),
             },
         )
         # no payloads: prompts, the database's address
@@ -285,6 +287,7 @@ def test_metrics_scraped_during_a_short_job(
                 "kind": re.compile(r"[a-z]+\.[a-z_]+"),
                 "drill": set(DRILLS),
                 "result": {"passed", "failed"},
+                "state": set(SLOT_STATES),
                 "scheduler_job": {
                     "seed",
                     "lease-sweep",

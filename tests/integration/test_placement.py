@@ -74,6 +74,9 @@ def test_a_job_larger_than_the_cluster_is_refused_before_anything_starts(
     assert driver.trainer is None and driver.supervisor is None
     assert scalar(engine, "SELECT count(*) FROM workers") == 0
     assert _live_placement_groups() == []
+    # and the refused job wrote nothing: no job row, no task, no event
+    assert scalar(engine, "SELECT count(*) FROM jobs WHERE name = 'toobig'") == 0
+    assert scalar(engine, "SELECT count(*) FROM events WHERE kind LIKE 'job.%'") == 0
 
 
 class _Waiter:

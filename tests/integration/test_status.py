@@ -87,9 +87,18 @@ STATUS_SCHEMA: dict[str, Any] = {
             "pid": OPT_INT,
             "node_id": OPT_STR,
             "loaded_version": OPT_INT,
-            "heartbeat_age_s": NUM,
-            "progress_age_s": NUM,
+            # None for a rollout slot that has no incarnation yet (waiting for a machine)
+            "heartbeat_age_s": (int, float, type(None)),
+            "progress_age_s": (int, float, type(None)),
             "tokens_generated": int,
+            # a rollout slot as the supervisor sees it (None for a trainer rank, or a rollout
+            # node no supervisor ran)
+            "slot": OPT_STR,
+            "slot_reason": OPT_STR,
+            "slot_age_s": (float, int, type(None)),
+            "budget_restarts": OPT_INT,
+            "max_restarts": OPT_INT,
+            "machine_losses": OPT_INT,
         }
     ],
     "buffer": dict.fromkeys(STATES, int),

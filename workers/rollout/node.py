@@ -175,6 +175,11 @@ class LeaseLost(Exception):
     """The node's lease on the episode moved on; its work is abandoned, not committed."""
 
 
+class Drained(Exception):
+    """The node is draining: the sample stops at a turn boundary, its last turn checkpointed,
+    and its episode's lease is given back (not counted)."""
+
+
 @dataclass
 class NodeStats:
     episodes_committed: int = 0
@@ -194,6 +199,7 @@ class NodeStats:
     agent_runs_abandoned: int = 0  # agent runs past their timeout that could not be cancelled
     # (their threads are left to end on their own: each one still holds what it holds)
     tasks_paused: int = 0  # tasks this node paused because their code failed on most inputs
+    episodes_handed_back: int = 0  # episodes given back at a turn boundary by a drain
     weights_received: int = 0  # versions loaded from a broadcast (collective transport)
     weights_receive_failed: int = 0  # broadcasts that did not complete here
 
@@ -234,6 +240,7 @@ class RolloutNode:
         self._group_hint = max(1, config.concurrency)
         self._no_work_until = 0.0  # after a claim that found no work, the next one waits
         self._stop = threading.Event()
+        self._draining = threading.Event()  # stop at the next turn boundary, give leases back
         # beats go on while a stopping node finishes its episodes (its leases must stay live),
         # and after a run that ended on its own (the node is still up); they end once the node
         # is stopped and no run is active (``_runs``, under ``_runs_lock``)
@@ -380,6 +387,16 @@ class RolloutNode:
             if self._runs == 0:
                 self._beats_stop.set()
 
+    def drain(self) -> None:
+        """End the node soon, losing no generated token (its machine is being drained, or the
+        job's fleet shrinks): it claims nothing more, every sample stops at its next turn
+        boundary once that turn is checkpointed (a sample whose turn ends it commits), the
+        episodes' leases are given back without counting an attempt, and ``run`` returns."""
+        self._draining.set()
+        self.stop()
+        with self._work_cv:
+            self._work_cv.notify_all()
+
     # -- internals ------------------------------------------------------------------------------
 
     def _loop(self, budget: threading.Semaphore | None, until_idle_s: float | None) -> None:
@@ -517,6 +534,8 @@ class RolloutNode:
     def _run_sample(self, work: _Work, sample: SampleState, runner: ToolRunner) -> None:
         claim, lease = work.claim, work.claim.lease
         try:
+            if self._draining.is_set():  # not started: nothing to keep, give it back
+                raise Drained(lease.episode_id)
             if sample.checkpoint is not None:
                 with self._lock:
                     self.stats.samples_resumed += 1
@@ -553,6 +572,8 @@ class RolloutNode:
             with self._lock:
                 self.stats.samples_committed += 1
                 self._streak = 0
+        except Drained:
+            self._hand_back(work)
         except (LeaseLost, StaleLeaseError):
             self._fail(work, None)
         except UserCodeError as e:  # the input's fault: counted, never the breaker's
@@ -630,6 +651,23 @@ class RolloutNode:
                 self.stats.episodes_abandoned += 1
         if trip is not None:
             self._give_up(trip, broken=True)
+
+    def _hand_back(self, work: _Work) -> None:
+        """A drain stopped the episode at a turn boundary: its lease goes back, not counted
+        (the next holder resumes from the checkpoints); its other samples stop at theirs."""
+        lease = work.claim.lease
+        with self._work_cv:
+            if work.failed:
+                return
+            work.failed = True
+            work.todo.clear()
+            self._lost.add((lease.episode_id, lease.epoch))
+        try:
+            self.buffer.release(lease, "its rollout node is draining", counted=False)
+        except StaleLeaseError:  # it moved on meanwhile
+            return
+        with self._lock:
+            self.stats.episodes_handed_back += 1
 
     def _user_failed(
         self, claim: ClaimedEpisode, sample_index: int | None, error: UserCodeError
@@ -742,6 +780,8 @@ class RolloutNode:
             raise LeaseLost(lease.episode_id)
         if not t.finished:  # the final state goes in with the commit
             self.buffer.checkpoint(lease, sample_index, t.payload())
+            if self._draining.is_set():  # the turn is kept: stop here, the lease goes back
+                raise Drained(lease.episode_id)
 
     def _sync_weights(self) -> None:
         """Load the job's latest published weights if they are newer than the engine's."""

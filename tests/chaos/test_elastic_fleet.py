@@ -1,0 +1,261 @@
+"""Machines come and go under a running job, on a real multi-node Ray cluster on this machine
+(``ray.cluster_utils.Cluster``): the fleet is scaled up, a machine is drained, machines are
+lost (one SIGKILLed, one frozen as a machine that loses power answers nothing), every rollout
+machine is gone for a while, machines join, and the fleet is scaled down. The job never
+stops, no loss costs a restart of the budget (``rollout.max_restarts: 1`` would fail a slot
+that two counted deaths hit), and nothing checkpointed is lost or trained twice.
+
+The job is the torch-free timing model (``ops/bench/pipeline.py``): what is tested here is
+the supervisor, Ray's placement and the buffer, not the engine; its starts take a second."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from rich.console import Console
+
+from ops.bench.pipeline import Setup, config_for
+from orchestrator.buffer.invariants import check_invariants
+from orchestrator.config import RollcallConfig
+from orchestrator.db.engine import Database
+from orchestrator.runner.driver import JobDriver
+from orchestrator.services.drills import ray_node_processes
+from orchestrator.services.jobs import scale
+from orchestrator.services.nodes import drain
+from tests.integration.buffer_helpers import rows, scalar
+from tests.support.cluster import ray_cluster
+from tests.support.waiting import wait_for
+
+pytestmark = pytest.mark.timeout(600)
+
+STEPS = "SELECT count(*) FROM train_steps"
+# Ray declares a machine that stopped answering dead after its health checks fail: here after
+# about 5-10 s (by default 15-30 s: period 3 s x 5 failures plus a 10 s timeout); loose enough
+# that a machine as loaded as a CI runner is not declared dead while it answers
+FAST_HEALTH_CHECKS = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 2000,
+    "health_check_failure_threshold": 5,
+}
+
+
+@pytest.fixture
+def cluster(ray_local: Any) -> Iterator[Any]:
+    """A head with the trainer's resource; the test adds the machines for rollout nodes."""
+    with ray_cluster(num_cpus=2, resources={"trainer": 1}, _system_config=FAST_HEALTH_CHECKS) as c:
+        yield c
+
+
+def _job(tmp: Path) -> RollcallConfig:
+    setup = Setup(
+        nodes=1, concurrency=2, tasks=1, batch_groups=1, group_size=2, max_staleness=8,
+        scale=0.004, steps=100_000, trainer={"s_per_token": 1e-4},
+    )  # fmt: skip
+    cfg = config_for(setup, "elastic", "", tmp / "run")
+    data = cfg.model_dump()
+    data["rollout"].update(
+        resources={"rollout": 1}, restart_backoff_s=0.5, max_restarts=1,
+        restart_window_s=600.0, start_timeout_s=60.0, drain_timeout_s=60.0,
+    )  # fmt: skip
+    data["trainer"].update(resources={"trainer": 1})
+    data["control_plane"].update(
+        heartbeat_timeout_s=5.0, dead_sweep_interval_s=0.5, supervise_interval_s=0.5,
+        seed_interval_s=0.5,
+    )  # fmt: skip
+    return RollcallConfig.model_validate(data)
+
+
+def test_machines_come_and_go_under_a_running_job(
+    cluster: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
+) -> None:
+    machine = {"A": cluster.add_node(num_cpus=1, resources={"rollout": 1})}
+    cluster.wait_for_nodes()
+    out = io.StringIO()
+    driver = JobDriver(
+        _job(tmp_path), db, model_dir=tiny_dir, home=tmp_path,
+        console=Console(file=out, width=300), live=False,
+    )  # fmt: skip
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:  # the job in a thread: Ray's cluster_utils adds nodes from the main one
+        try:
+            outcome["result"] = driver.run()
+        except BaseException as e:
+            outcome["error"] = e
+
+    def slots() -> dict[str, tuple[str, str | None]]:
+        got = rows(engine, "SELECT name, state, ray_node_id FROM rollout_slots")
+        return {n: (s, node) for n, s, node in got}
+
+    def serving(name: str, node: Any) -> bool:
+        return slots().get(name) == ("alive", node.node_id)
+
+    def steps_go_on() -> None:
+        at = scalar(engine, STEPS)
+        wait_for(f"a step after {at}", lambda: scalar(engine, STEPS) > at, 120)
+
+    frozen: list[int] = []
+    held: list[dict[str, Any]] = []  # samples the nodes held at each fault
+    t = threading.Thread(target=run, daemon=True)
+    try:
+        driver.setup()
+        job = driver.job_id
+        t.start()
+        wait_for("a first step", lambda: scalar(engine, STEPS), 120)
+        assert serving("rollout-0", machine["A"]), (slots(), out.getvalue())
+        assert "placed: " in out.getvalue()  # one line shows where the slots went
+
+        # scale up: a second node, placed on the machine that joined for it
+        machine["B"] = cluster.add_node(num_cpus=1, resources={"rollout": 1})
+        with db.transaction() as tx:
+            assert scale(tx, "elastic", 2, actor="test") == 1
+        wait_for("rollout-1 serving on B", lambda: serving("rollout-1", machine["B"]), 120)
+
+        # drain A with a spare: rollout-0 gives its episodes back and moves to the spare
+        machine["C"] = cluster.add_node(num_cpus=1, resources={"rollout": 1})
+        assert driver.lifecycle is not None
+        gcs = driver.lifecycle.info["ray_address"]
+        held += _held(db, engine, ["rollout-0"])
+        drain(gcs, machine["A"].node_id, deadline_s=None, reason="test")
+        wait_for("rollout-0 serving on C", lambda: serving("rollout-0", machine["C"]), 120)
+        steps_go_on()
+
+        # loss 1: B is SIGKILLed, no spare: rollout-1 waits for capacity, the job goes on
+        held += _held(db, engine, ["rollout-1"])
+        for pid, _ in ray_node_processes(machine["B"].node_id):
+            os.kill(pid, signal.SIGKILL)
+        wait_for("rollout-1 waiting", lambda: slots()["rollout-1"][0] == "waiting_capacity", 60)
+        steps_go_on()
+
+        # loss 2: C freezes (a machine that loses power answers nothing): no rollout node can
+        # run; Ray's health checks find C dead, and the death is not counted
+        held += _held(db, engine, ["rollout-0"])
+        for pid, _ in ray_node_processes(machine["C"].node_id):
+            os.kill(pid, signal.SIGSTOP)
+            frozen.append(pid)
+        wait_for(
+            "every slot waiting for capacity",
+            lambda: {s for s, _ in slots().values()} == {"waiting_capacity"},
+            90,
+        )
+
+        # a machine joins: both slots are placed on it, the job continues without --resume
+        machine["D"] = cluster.add_node(num_cpus=2, resources={"rollout": 2})
+        wait_for(
+            "both slots serving on D",
+            lambda: serving("rollout-0", machine["D"]) and serving("rollout-1", machine["D"]),
+            120,
+        )
+        steps_go_on()
+
+        # loss 3 with a spare machine: SIGKILL D, both slots move to E
+        machine["E"] = cluster.add_node(num_cpus=2, resources={"rollout": 2})
+        wait_for("E registered", lambda: _alive(machine["E"]), 60)
+        held += _held(db, engine, ["rollout-0", "rollout-1"])
+        for pid, _ in ray_node_processes(machine["D"].node_id):
+            os.kill(pid, signal.SIGKILL)
+        wait_for(
+            "both slots serving on E",
+            lambda: serving("rollout-0", machine["E"]) and serving("rollout-1", machine["E"]),
+            120,
+        )
+
+        # scale down: rollout-1 drains (its turns given back) and is removed
+        held += _held(db, engine, ["rollout-1"])
+        with db.transaction() as tx:
+            scale(tx, "elastic", 1, actor="test")
+        wait_for("rollout-1 removed", lambda: slots()["rollout-1"][0] == "removed", 120)
+        steps_go_on()
+    finally:
+        driver.request_stop()
+        t.join(timeout=120)
+        stuck = t.is_alive()
+        driver.close()
+        for pid in frozen:
+            with_pid_gone(pid)
+    timeline = _timeline(engine, out.getvalue())
+    assert not stuck, f"the job did not stop\n{timeline}"
+    assert "error" not in outcome, f"{outcome}\n{timeline}"
+    # no loss, drain or scaling spent the budget: not one counted restart, no failed slot
+    budget = rows(engine, "SELECT name, restarts, machine_losses, state FROM rollout_slots")
+    assert all(r == 0 for _, r, _, _ in budget), f"{budget}\n{timeline}"
+    assert sum(lost for _, _, lost, _ in budget) >= 4, f"{budget}\n{timeline}"  # B, C, D x2
+    kinds = [k for (k,) in rows(engine, "SELECT kind FROM events")]
+    assert "worker.restarting" not in kinds and "worker.failed" not in kinds, timeline
+    assert "worker.drained" in kinds and "worker.removed" in kinds, timeline
+    # the operator saw it: the waits, the placements, the losses
+    text = out.getvalue()
+    print(text)  # the driver's lines, with -s
+    assert "waiting for capacity" in text and "after waiting" in text, text
+    assert "is lost" in text, text
+    report = check_invariants(db, job)
+    assert report.ok, f"{report.summary()}\n{timeline}"
+    # what the drained, lost and removed nodes had checkpointed was kept: every sample they
+    # held is at least as long now, or trained, or its group expired as stale
+    assert _lost(db, held) == [], timeline
+
+
+def _held(db: Database, engine: sa.Engine, names: list[str]) -> list[dict[str, Any]]:
+    """The samples the slots' live incarnations hold now, with their tokens."""
+    ids = [
+        wid
+        for wid, name in rows(
+            engine, "SELECT id, name FROM workers WHERE status = 'alive' AND role = 'rollout'"
+        )
+        if name in names
+    ]
+    out: list[dict[str, Any]] = []
+    with db.transaction() as tx:
+        for wid in ids:
+            out += [s for s in tx.invariants.samples_of_worker(wid) if s["num_tokens"]]
+    return out
+
+
+def _lost(db: Database, held: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    episodes = sorted({s["episode_id"] for s in held})
+    with db.transaction() as tx:
+        now = {
+            (s["episode_id"], s["sample_index"]): s
+            for s in tx.invariants.samples_of_episodes(episodes)
+        }
+    lost = []
+    for s in held:
+        cur = now.get((s["episode_id"], s["sample_index"]))
+        if cur is not None and (
+            cur["episode_status"] in ("expired", "quarantined") or cur["status"] == "expired"
+        ):
+            continue
+        if cur is None or (cur["num_tokens"] or 0) < s["num_tokens"]:
+            lost.append({"before": s, "now": cur})
+    return lost
+
+
+def _alive(node: Any) -> bool:
+    import ray
+
+    return any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes())
+
+
+def with_pid_gone(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _timeline(engine: sa.Engine, printed: str) -> str:
+    workers = rows(
+        engine,
+        "SELECT id, name, status, left(node_id, 8), started_at::time, stopped_at::time "
+        "FROM workers ORDER BY id",
+    )
+    events = rows(engine, "SELECT created_at::time, kind, message FROM events ORDER BY id")
+    return "\n".join([f"worker {r}" for r in workers] + [f"event {r}" for r in events] + [printed])
