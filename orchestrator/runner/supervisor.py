@@ -496,12 +496,14 @@ class Supervisor:
     # -- the fleet ----------------------------------------------------------------------------
 
     def _resize(self, now: float) -> None:
-        """Match the fleet to the size the job should have (``rollcall job scale``)."""
+        """Match the fleet to the size the job should have (``rollcall job scale``). A failed
+        slot still counts (it is not replaced: the job goes on without it, and stops when
+        every slot failed); shrinking removes failed slots first, then the highest-numbered."""
         target = self.buffer.fleet_size()
         if target is None:
             return
-        active = [s for s in self.slots if s.state in ACTIVE and not s.remove]
-        for _ in range(target - len(active)):
+        live = [s for s in self.slots if s.state != "removed" and not s.remove]
+        for _ in range(target - len(live)):
             slot = Slot(f"rollout-{len(self.slots)}", len(self.slots))
             assert self.placement is not None
             slot.group = self.placement.new_slot(slot.name)
@@ -513,9 +515,13 @@ class Supervisor:
             )
             self.say(f"{slot.name}: added (the job scaled to {target} rollout nodes)")
             self._place(slot, now)
-        extra = len(active) - target
-        for slot in sorted(active, key=lambda s: -s.index)[: max(0, extra)]:
+        extra = len(live) - target
+        order = sorted(live, key=lambda s: (not s.failed, -s.index))
+        for slot in order[: max(0, extra)]:
             slot.remove = True
+            if slot.failed:
+                self._removed(slot)
+                continue
             self.say(f"{slot.name}: removing it (the job scaled to {target} rollout nodes)")
             if slot.state in ("alive", "starting"):
                 self._drain(slot, now, f"the job scaled to {target} rollout nodes")

@@ -68,8 +68,17 @@ class FleetRepository:
         )
 
     def forget(self, job_id: int) -> None:
-        """A new run of the job starts its fleet afresh."""
-        self.session.execute(text("DELETE FROM rollout_slots WHERE job_id = :j"), {"j": job_id})
+        """A new run of the job starts its fleet afresh: the earlier run's slots are
+        ``removed`` until this run records them (an update: the runtime role deletes
+        nothing)."""
+        self.session.execute(
+            text(
+                "UPDATE rollout_slots SET state = 'removed', reason = 'a slot of an earlier run', "
+                "state_since = now(), updated_at = now() "
+                "WHERE job_id = :j AND state <> 'removed'"
+            ),
+            {"j": job_id},
+        )
 
     def slots(self, job_id: int) -> list[dict[str, Any]]:
         """Every slot of the job with how long it has been in its state (database clock)."""
