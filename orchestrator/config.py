@@ -442,10 +442,12 @@ class RolloutConfig(StrictModel):
         "starting, not dead) is killed and retried; counts against max_restarts",
     )
     machine_verdict_s: Seconds = Field(
-        default=60.0,
+        default=120.0,
         description="a node that died unreachable or hung waits this long at most for Ray's "
         "word on its machine (its node marked dead: not counted; the machine answers a probe: "
-        "counted) before its restart; after it, the death counts",
+        "counted) before its restart; after it, the death counts. Keep it above Ray's time to "
+        "declare a machine that answers nothing dead: about 65 s with Ray's default health "
+        "checks (5 failed checks, each a 3 s period plus a 10 s timeout)",
     )
     capacity_wait_s: Seconds = Field(
         default=1800.0,

@@ -26,7 +26,8 @@ The scenario (machines A..J; a slot's machine is read from ``rollout_slots``):
    machine that hosts rollout-1 (so they hit one slot's budget three times): E joins, then
    ``rollcall drill kill-node`` (SIGKILL of every process of the machine); F joins, then the
    machine is frozen (SIGSTOP of every process: it answers nothing; SIGKILLed once Ray has
-   declared it dead); G joins, then SIGKILL of every process of the machine;
+   declared it dead); G joins, then SIGKILL of every process of the machine (all stopped
+   first, then killed: no process of it sees another die, as in a power loss);
 4. every rollout machine is SIGKILLed, no spare: every slot waits for capacity and the job
    waits (no ``--resume``); then machine J (``rollout: 3``, 3 CPUs) joins: every slot is placed
    on it and the job goes on;
@@ -155,6 +156,11 @@ def tagged(tag: str) -> list[int]:
 
 
 def signal_all(pids: set[int], sig: int) -> None:
+    """Signal every process. SIGKILL as a power loss does it: every process stopped first,
+    then killed, so none of them sees another die and reacts (a raylet whose agent died
+    first unregisters from Ray's GCS, which a machine that lost power never does)."""
+    if sig == signal.SIGKILL:
+        signal_all(pids, signal.SIGSTOP)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)

@@ -11,8 +11,12 @@ alive. Ray's structured words, in the order the supervisor uses them:
 - the node table (``ray.nodes()``): a node not alive is a lost machine;
 - a probe (``probe``): a zero-CPU task pinned to the node that answers proves the machine
   alive. A machine that lost power answers nothing and Ray's health checks mark it dead after
-  some seconds (``health_check_*`` in Ray's system config; 12-14 s seen on a cluster started
-  with ``ray start``); until one of the two happens the verdict waits.
+  some seconds (``health_check_*`` in Ray's system config). Measured on a ``ray start``
+  cluster with Ray's defaults (ops/bench/RESULTS.md): 13-15 s for a machine whose processes
+  are gone (its raylet's port refuses the checks), 63-64 s for one that answers nothing (a
+  frozen machine, as one that lost power or its network: 5 checks, each 3 s apart with a
+  10 s timeout); until one of the two happens the verdict waits, at most
+  ``rollout.machine_verdict_s`` (120 s).
 
 All of it goes through Ray's GCS; an answer Ray cannot give (its control store away) is
 ``None``, and the supervisor waits for a later pass.

@@ -54,8 +54,8 @@ log = logging.getLogger(__name__)
 # how a death is judged: the node's own (counted), its machine's (not counted), or unknown
 # until Ray says whether the machine is alive
 OWN, MACHINE, UNKNOWN = "own", "machine", "unknown"
-# after a machine loss Ray places the lost groups elsewhere within moments where there is room:
-# a slot says it waits for capacity only once that has had time
+# Ray places a new placement group, or a lost machine's groups elsewhere, within moments where
+# there is room: a slot says it waits for capacity only once that has had time
 RESCHEDULE_GRACE_S = 5.0
 ACTIVE = ("starting", "alive", "restarting", "awaiting_ray", "waiting_capacity", "draining")
 
@@ -81,7 +81,9 @@ class Slot:
     started_at: float = 0.0
     next_start_at: float = 0.0
     said_waiting: bool = False
-    quiet_until: float = 0.0  # no waiting line before (Ray re-places a lost machine's groups)
+    # no waiting line before this (Ray places a new group, or re-places a lost machine's,
+    # within moments where there is room)
+    quiet_until: float = 0.0
     verdict: dict[str, Any] | None = None  # awaiting Ray: the death, the node, a probe, until
     drain_until: float = 0.0
     remove: bool = False  # scaled away: removed once drained
@@ -439,7 +441,7 @@ class Supervisor:
             self._regroup(slot)  # placed on a draining machine: ask Ray for room elsewhere
             state, node = group_state(slot.group)
         if state == "CREATED" and node is not None and self._alive(node):
-            waited = now - slot.since if slot.state == "waiting_capacity" else 0.0
+            waited = max(0.0, time.monotonic() - slot.since) if slot.said_waiting else 0.0
             if slot.said_waiting:
                 self.buffer.event(
                     "worker.placed",
@@ -458,6 +460,11 @@ class Supervisor:
         if not slot.said_waiting and now >= slot.quiet_until:
             slot.said_waiting = True
             up = sum(1 for s in self.slots if s.state in ("alive", "starting"))
+            going_on = (
+                f"the job goes on with {up} rollout node(s)"
+                if up
+                else "no rollout node runs: the job waits for one (rollout.capacity_wait_s)"
+            )
             bundle = ", ".join(f"{v:g} {k}" for k, v in self.placement.bundle.items())
             self.buffer.event(
                 "worker.waiting_capacity",
@@ -466,7 +473,7 @@ class Supervisor:
             )
             self.say(
                 f"{slot.name}: waiting for capacity: no Ray node has room for its slot "
-                f"({bundle}); the job goes on with {up} rollout node(s)"
+                f"({bundle}); {going_on}"
             )
 
     def _start(self, slot: Slot, placement_strategy: Any, node: str | None) -> None:
@@ -483,7 +490,7 @@ class Supervisor:
         slot.node_id = node
         slot.up = False
         slot.started_at = time.monotonic()
-        if slot.history:
+        if slot.history and slot.history[-1]["counted"]:
             self.say(f"{slot.name}: restarted (restart {slot.restarts})")
         self._set(slot, "starting", None)
 
@@ -492,6 +499,7 @@ class Supervisor:
         assert self.placement is not None
         self.placement.drop(slot.group)
         slot.group = self.placement.new_slot(slot.name)
+        slot.quiet_until = time.monotonic() + RESCHEDULE_GRACE_S
 
     # -- the fleet ----------------------------------------------------------------------------
 
@@ -507,6 +515,7 @@ class Supervisor:
             slot = Slot(f"rollout-{len(self.slots)}", len(self.slots))
             assert self.placement is not None
             slot.group = self.placement.new_slot(slot.name)
+            slot.quiet_until = time.monotonic() + RESCHEDULE_GRACE_S
             self.slots.append(slot)
             self.buffer.event(
                 "worker.added",

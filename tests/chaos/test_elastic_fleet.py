@@ -128,6 +128,8 @@ def test_machines_come_and_go_under_a_running_job(
         held += _held(db, engine, ["rollout-0"])
         drain(gcs, machine["A"].node_id, deadline_s=None, reason="test")
         wait_for("rollout-0 serving on C", lambda: serving("rollout-0", machine["C"]), 120)
+        # moved to a machine with room: it never said it waited for capacity
+        assert "rollout-0: waiting for capacity" not in out.getvalue(), out.getvalue()
         steps_go_on()
 
         # loss 1: B is SIGKILLed, no spare: rollout-1 waits for capacity, the job goes on
@@ -197,6 +199,7 @@ def test_machines_come_and_go_under_a_running_job(
     text = out.getvalue()
     print(text)  # the driver's lines, with -s
     assert "waiting for capacity" in text and "after waiting" in text, text
+    assert "after waiting -" not in text and "restarted (restart 0)" not in text, text
     assert "is lost" in text, text
     report = check_invariants(db, job)
     assert report.ok, f"{report.summary()}\n{timeline}"

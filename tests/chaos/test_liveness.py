@@ -134,6 +134,7 @@ def test_a_node_that_never_starts_ends_failed_and_the_job_goes_on(
     assert "FileNotFoundError" in payload["reason"], message
     assert len(_events(engine, "worker.restarting")) == 2
     assert driver.supervisor is None or driver.supervisor.slots[1].failed
+    assert not _events(engine, "worker.added")  # a failed slot is not replaced by a new one
     assert result.steps >= 1  # rollout-0 kept the job going
     _assert_nothing_lost(db, engine, result.steps)
 
