@@ -1,7 +1,8 @@
 """Machines come and go under a running job, on a real multi-node Ray cluster on this machine
-(``ray.cluster_utils.Cluster``): the fleet is scaled up, a machine is drained, machines are
-lost (one SIGKILLed, one frozen as a machine that loses power answers nothing), every rollout
-machine is gone for a while, machines join, and the fleet is scaled down. The job never
+(``ray.cluster_utils.Cluster``): the fleet is scaled up, a machine is drained, three machines
+are lost with a spare each time (two SIGKILLed, one frozen as a machine that loses power
+answers nothing), every rollout machine is gone for a while, a machine joins, and the fleet
+is scaled down. The job never
 stops, no loss costs a restart of the budget (``rollout.max_restarts: 1`` would fail a slot
 that two counted deaths hit), and nothing checkpointed is lost or trained twice.
 
@@ -132,45 +133,46 @@ def test_machines_come_and_go_under_a_running_job(
         assert "rollout-0: waiting for capacity" not in out.getvalue(), out.getvalue()
         steps_go_on()
 
-        # loss 1: B is SIGKILLed, no spare: rollout-1 waits for capacity, the job goes on
-        held += _held(db, engine, ["rollout-1"])
-        for pid, _ in ray_node_processes(machine["B"].node_id):
-            os.kill(pid, signal.SIGKILL)
-        wait_for("rollout-1 waiting", lambda: slots()["rollout-1"][0] == "waiting_capacity", 60)
+        # three machine losses, each with a spare that joined before it; none is counted
+        def lose(victim: str, spare: str, slot: str, *, freeze: bool = False) -> None:
+            machine[spare] = cluster.add_node(num_cpus=1, resources={"rollout": 1})
+            wait_for(f"{spare} registered", lambda: _alive(machine[spare]), 60)
+            held.extend(_held(db, engine, [slot]))
+            for pid, _ in ray_node_processes(machine[victim].node_id):
+                # frozen: a machine that loses power or its network answers nothing, and only
+                # Ray's health checks find it dead
+                os.kill(pid, signal.SIGSTOP if freeze else signal.SIGKILL)
+                frozen.extend([pid] if freeze else [])
+            wait_for(f"{slot} serving on {spare}", lambda: serving(slot, machine[spare]), 120)
+
+        lose("B", "D", "rollout-1")  # SIGKILLed
+        lose("C", "E", "rollout-0", freeze=True)
+        lose("D", "F", "rollout-1")  # SIGKILLed
         steps_go_on()
 
-        # loss 2: C freezes (a machine that loses power answers nothing): no rollout node can
-        # run; Ray's health checks find C dead, and the death is not counted
-        held += _held(db, engine, ["rollout-0"])
-        for pid, _ in ray_node_processes(machine["C"].node_id):
-            os.kill(pid, signal.SIGSTOP)
-            frozen.append(pid)
+        # every rollout machine lost, no spare: both slots wait for capacity, the job waits
+        held += _held(db, engine, ["rollout-0", "rollout-1"])
+        for m in ("E", "F"):
+            for pid, _ in ray_node_processes(machine[m].node_id):
+                os.kill(pid, signal.SIGKILL)
         wait_for(
-            "every slot waiting for capacity",
-            lambda: {s for s, _ in slots().values()} == {"waiting_capacity"},
+            "every slot waiting for capacity, and saying so",
+            lambda: (
+                {s for s, _ in slots().values()} == {"waiting_capacity"}
+                and all(f"rollout-{i}: waiting for capacity" in out.getvalue() for i in (0, 1))
+            ),
             90,
         )
+        assert driver.supervisor.waiting_for_capacity() is not None  # the job waits
 
         # a machine joins: both slots are placed on it, the job continues without --resume
-        machine["D"] = cluster.add_node(num_cpus=2, resources={"rollout": 2})
+        machine["G"] = cluster.add_node(num_cpus=2, resources={"rollout": 2})
         wait_for(
-            "both slots serving on D",
-            lambda: serving("rollout-0", machine["D"]) and serving("rollout-1", machine["D"]),
+            "both slots serving on G",
+            lambda: serving("rollout-0", machine["G"]) and serving("rollout-1", machine["G"]),
             120,
         )
         steps_go_on()
-
-        # loss 3 with a spare machine: SIGKILL D, both slots move to E
-        machine["E"] = cluster.add_node(num_cpus=2, resources={"rollout": 2})
-        wait_for("E registered", lambda: _alive(machine["E"]), 60)
-        held += _held(db, engine, ["rollout-0", "rollout-1"])
-        for pid, _ in ray_node_processes(machine["D"].node_id):
-            os.kill(pid, signal.SIGKILL)
-        wait_for(
-            "both slots serving on E",
-            lambda: serving("rollout-0", machine["E"]) and serving("rollout-1", machine["E"]),
-            120,
-        )
 
         # scale down: rollout-1 drains (its turns given back) and is removed
         held += _held(db, engine, ["rollout-1"])
@@ -191,7 +193,8 @@ def test_machines_come_and_go_under_a_running_job(
     # no loss, drain or scaling spent the budget: not one counted restart, no failed slot
     budget = rows(engine, "SELECT name, restarts, machine_losses, state FROM rollout_slots")
     assert all(r == 0 for _, r, _, _ in budget), f"{budget}\n{timeline}"
-    assert sum(lost for _, _, lost, _ in budget) >= 4, f"{budget}\n{timeline}"  # B, C, D x2
+    # B, C, D (one each), E and F (both)
+    assert sum(lost for _, _, lost, _ in budget) == 5, f"{budget}\n{timeline}"
     kinds = [k for (k,) in rows(engine, "SELECT kind FROM events")]
     assert "worker.restarting" not in kinds and "worker.failed" not in kinds, timeline
     assert "worker.drained" in kinds and "worker.removed" in kinds, timeline
