@@ -196,13 +196,15 @@ class Buffer:
     @timed
     @retry_transient
     def requeue_worker(
-        self, worker_id: int, status: WorkerStatus = WorkerStatus.DEAD
+        self, worker_id: int, status: WorkerStatus = WorkerStatus.DEAD, *, counted: bool = True
     ) -> SweepResult:
-        """Declare a worker dead (or stopped) and requeue every lease it held."""
+        """Declare a worker dead (or stopped) and requeue every lease it held, as a counted
+        attempt of each episode unless ``counted`` is False (its machine was lost, or it was
+        drained: not the episodes' doing)."""
         with self.db.transaction() as tx:
             tx.workers.set_status(worker_id, status)
             rows = tx.episodes.lock_worker_leases(worker_id)
-            return self._requeue(tx, rows, f"worker {worker_id} {status.value}")
+            return self._requeue(tx, rows, f"worker {worker_id} {status.value}", counted=counted)
 
     @timed
     @retry_transient

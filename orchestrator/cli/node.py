@@ -90,7 +90,8 @@ def drain(
     """Drain a machine before removing it: Ray places nothing new on it, and the rollout nodes
     it hosts finish their in-flight turns, checkpoint them and give their episodes back, then
     start where the cluster has room (or wait for it). Ray ends the machine's raylet once it
-    is idle. Nothing generated is lost."""
+    is idle. The turns its nodes generated are kept. For rollout machines: a trainer rank on a
+    drained machine is not moved (with --deadline-s, it is lost at the deadline)."""
     from orchestrator.cli.common import actor
     from orchestrator.services.nodes import drain as drain_node
     from orchestrator.services.nodes import gcs_address
@@ -101,6 +102,21 @@ def drain(
     finally:
         db.dispose()
     n = drain_node(where, node, deadline_s=deadline_s, reason=f"rollcall node drain by {actor()}")
+    if job is not None:  # the operator's action, in the job's audit log
+        from orchestrator.services.jobs import require_job
+
+        db = open_db(ctx)
+        try:
+            with db.transaction() as tx:
+                tx.events.add(
+                    "node.drain_requested",
+                    actor(),
+                    f"Ray node {n.node_id[:8]} ({n.address}) drained by an operator",
+                    job_id=require_job(tx, job).id,
+                    payload={"ray_node_id": n.node_id, "deadline_s": deadline_s},
+                )
+        finally:
+            db.dispose()
     console().print(
         f"Ray node {n.node_id[:8]} ({n.address}) is draining: nothing new is placed on it; "
         "rollout nodes on it give their episodes back and move (`rollcall status` shows "

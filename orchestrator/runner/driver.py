@@ -178,6 +178,9 @@ class JobDriver(TrainerControl):
         # it writes anything to the database. From here on (Ray's start, the trainer's, the
         # nodes', the scheduler's), what libraries log or warn goes to the run directory's
         # driver.log, not the user's terminal.
+        # What refuses this run without Ray is checked first (and again under the lock).
+        with self.db.transaction() as tx:
+            self._refusal(tx, tx.jobs.get_by_name(cfg.job.name), early=True)
         self.run_dir = RunDir(
             Path(cfg.run.dir) if cfg.run.dir else self.home / "runs" / cfg.job.name
         )
@@ -185,11 +188,7 @@ class JobDriver(TrainerControl):
         self._start_ray()
         with self.db.transaction() as tx:
             job = tx.jobs.get_by_name(cfg.job.name)
-            if job is None and self.resume:
-                raise NotFoundError(
-                    f"job {cfg.job.name!r} does not exist, so there is nothing to resume; "
-                    "drop --resume to start it"
-                )
+            self._refusal(tx, job)
             if job is None:
                 job = create_job(
                     tx, cfg.job.name, config=cfg.model_dump(mode="json"), actor=self.actor
@@ -207,12 +206,7 @@ class JobDriver(TrainerControl):
             # where operators' commands reach this job's Ray (``rollcall node drain``)
             self.lifecycle.info["ray_address"] = _gcs_address()
             self.lifecycle.acquire()
-            job = tx.jobs.get(job.id) or job
-            if not self.resume and job.policy_version > 0:
-                raise ConflictError(
-                    f"job {cfg.job.name!r} already trained {job.policy_version} steps; pass "
-                    "--resume to continue it, or set job.name to start a new job"
-                )
+            self._refusal(tx, tx.jobs.get(job.id) or job)
             policy = BatchPolicy(cfg.buffer.batch_groups, cfg.trainer.sync_every, sync)
             for line in ensure_tasks(
                 tx, job_name=job.name, tasks=cfg.tasks, actor=self.actor, sync=sync, policy=policy
@@ -239,6 +233,28 @@ class JobDriver(TrainerControl):
         self._start_evaluator()
         self._start_scheduler()
         self._start_metrics()
+
+    def _refusal(self, tx: Any, job: Any, *, early: bool = False) -> None:
+        """Refuse a run of a job that does not exist with --resume, of a job that already
+        trained without it, and (``early``: before Ray starts; the driver lock decides later)
+        of a job another driver runs."""
+        from orchestrator.runner.lifecycle import already_running
+
+        name = self.cfg.job.name
+        if job is None and self.resume:
+            raise NotFoundError(
+                f"job {name!r} does not exist, so there is nothing to resume; drop --resume "
+                "to start it"
+            )
+        if job is None:
+            return
+        if early and tx.jobs.driver_alive(job.id):
+            raise already_running(name, job.driver)
+        if not self.resume and job.policy_version > 0:
+            raise ConflictError(
+                f"job {name!r} already trained {job.policy_version} steps; pass --resume to "
+                "continue it, or set job.name to start a new job"
+            )
 
     def _recover_previous_run(self) -> None:
         """Work a previous driver of this job left behind goes through the normal paths: its

@@ -88,11 +88,7 @@ class JobLifecycle:
                 job_id=self.job_id,
                 payload={"refused": self.info, "holder": job.driver if job else None},
             )
-        raise ConflictError(
-            f"job {self.job_name!r} is already running under another driver ({holder}); a "
-            f"second one would take its work, so stop it first with `rollcall job stop "
-            f"{self.job_name}` (or wait for it to end) and run again with --resume"
-        )
+        raise already_running(self.job_name, job.driver if job else None)
 
     def start(self, tx: Tx, *, resume: bool) -> int:
         """This driver holds the lock: take the job (in the caller's transaction)."""
@@ -213,3 +209,12 @@ class JobLifecycle:
                     job_id=self.job_id,
                     payload={**payload, "epoch": self.epoch, "pid": self.info["pid"]},
                 )
+
+
+def already_running(name: str, driver: dict[str, Any] | None) -> ConflictError:
+    """The refusal of a second driver for job ``name`` (``driver``: the holder's details)."""
+    return ConflictError(
+        f"job {name!r} is already running under another driver ({describe_driver(driver)}); "
+        f"a second one would take its work, so stop it first with `rollcall job stop {name}` "
+        "(or wait for it to end) and run again with --resume"
+    )

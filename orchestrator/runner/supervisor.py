@@ -222,15 +222,18 @@ class Supervisor:
         for slot in self.slots:
             if slot.state in ("failed", "removed"):
                 continue
-            if slot.state == "draining":
-                self._drained(slot, now)
-            elif slot.state == "awaiting_ray":
-                self._judge(slot, now)
-            elif slot.state in ("waiting_capacity", "restarting"):
-                if now >= slot.next_start_at:
-                    self._place(slot, now, draining)
-            else:
-                self._watch(slot, health.get(slot.name), now, draining)
+            try:
+                if slot.state == "draining":
+                    self._drained(slot, now)
+                elif slot.state == "awaiting_ray":
+                    self._judge(slot, now)
+                elif slot.state in ("waiting_capacity", "restarting"):
+                    if now >= slot.next_start_at:
+                        self._place(slot, now, draining)
+                else:
+                    self._watch(slot, health.get(slot.name), now, draining)
+            except Exception:  # the database or Ray's GCS away: the next pass tries again
+                log.warning("supervising %s failed; trying again", slot.name, exc_info=True)
         active = [s for s in self.slots if s.state in ACTIVE]
         waiting = bool(active) and all(
             s.state in ("waiting_capacity", "awaiting_ray") for s in active
@@ -250,17 +253,19 @@ class Supervisor:
             slot.worker_id = int(row["id"])  # registered: its process is up, engine loading
             slot.node_id = row.get("node_id") or slot.node_id
             slot.registered_at = now
-        if slot.node_id is not None and slot.node_id in draining:
-            self._drain(slot, now, f"its machine, {self._where(slot.node_id)}, is draining")
-            return
         if not slot.up:
             failed = self._starting(slot, row, now)
             if failed is not None:
                 self._down(slot, *failed)
-            elif slot.up:
+                return
+            if slot.up:
                 self._set(slot, "alive", None)
                 if slot.history or slot.said_waiting:
                     self.say(f"{slot.name}: up on {self._where(slot.node_id)}")
+        if slot.node_id is not None and slot.node_id in draining:
+            self._drain(slot, now, f"its machine, {self._where(slot.node_id)}, is draining")
+            return
+        if not slot.up:
             return
         declared = _declared_dead(row, slot.worker_id)
         ready, _ = ray.wait([slot.run_ref], timeout=0)
@@ -310,18 +315,20 @@ class Supervisor:
         """An incarnation ended: requeue its leases now, then judge the death."""
         import ray
 
-        with contextlib.suppress(Exception):  # already gone
-            ray.kill(slot.actor, no_restart=True)
-        if slot.worker_id is not None:
-            # Requeue now rather than wait for the sweep (idempotent when it already ran).
-            self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD)
-        slot.actor = slot.run_ref = slot.worker_ref = None
-        slot.up = False
         node = slot.node_id
         if judged == UNKNOWN and self.placement is None:
             judged = OWN if node is None or _ray_node_alive(node) else MACHINE
         if judged == UNKNOWN and (node is None or not self._alive(node)):
             judged = MACHINE if node is not None else OWN
+        if slot.worker_id is not None:
+            # Requeue now rather than wait for the sweep (idempotent when it already ran),
+            # before the kill: should this fail, the next pass judges the same death again.
+            # A lost machine is not the episodes' doing: their attempts are not counted.
+            self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD, counted=judged != MACHINE)
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(slot.actor, no_restart=True)
+        slot.actor = slot.run_ref = slot.worker_ref = None
+        slot.up = False
         if judged == UNKNOWN:
             assert node is not None
             slot.verdict = {
@@ -346,35 +353,35 @@ class Supervisor:
         v = slot.verdict
         assert v is not None
         if not self._alive(v["node"]):
-            slot.verdict = None
             self._lost(slot, v["reason"])
         elif raynodes.answered(v["probe"]):
-            slot.verdict = None
             self._counted(slot, f"{v['reason']}; its machine is alive")
         elif now >= v["until"]:
-            slot.verdict = None
             self._counted(
                 slot,
                 f"{v['reason']}; Ray did not say its machine was lost within "
                 f"{self.machine_verdict_s:.0f} s",
             )
+        else:
+            return
+        slot.verdict = None
 
     def _lost(self, slot: Slot, reason: str) -> None:
         """Its machine is gone: not counted; the slot starts again as soon as Ray places its
         group on a live machine (at once where there is room)."""
         node = slot.node_id
-        slot.losses += 1
-        slot.history.append(
-            {"at": time.monotonic(), "reason": reason, "worker_id": slot.worker_id,
-             "counted": False}
-        )  # fmt: skip
         where = self._where(node)
-        self.buffer.event(
+        self.buffer.event(  # first: should it fail, nothing changed and the next pass retries
             "worker.machine_lost",
             f"{slot.name} down with its machine, {where} ({reason}); not counted against its "
             "restart budget",
             {"slot": slot.name, "ray_node_id": node, "reason": reason},
         )
+        slot.losses += 1
+        slot.history.append(
+            {"at": time.monotonic(), "reason": reason, "worker_id": slot.worker_id,
+             "counted": False}
+        )  # fmt: skip
         self.say(
             f"{slot.name}: its machine, {where}, is lost ({reason}); not counted against its "
             "restart budget; it starts again where Ray has room"
@@ -385,27 +392,27 @@ class Supervisor:
         slot.said_waiting = False
 
     def _counted(self, slot: Slot, reason: str) -> None:
-        """The node's own failure: counted against the budget; restarted after a backoff."""
+        """The node's own failure: counted against the budget; restarted after a backoff.
+        The event goes first: should it fail, nothing changed and the next pass retries."""
         now = time.monotonic()
-        slot.history.append(
-            {"at": now, "reason": reason, "worker_id": slot.worker_id, "counted": True}
-        )
+        death = {"at": now, "reason": reason, "worker_id": slot.worker_id, "counted": True}
         # the budget counts the restarts of the last restart_window_s: a node that has been
         # healthy for a while gets its budget back
-        recent = [h for h in slot.history if now - h["at"] <= self.restart_window_s]
-        counted = [h for h in recent if h["counted"]]
-        slot.restarts = len(counted)
-        if slot.restarts > self.max_restarts:
+        recent = [h for h in [*slot.history, death] if now - h["at"] <= self.restart_window_s]
+        restarts = sum(1 for h in recent if h["counted"])
+        if restarts > self.max_restarts:
             if slot.worker_id is not None:
                 self.buffer.requeue_worker(slot.worker_id, WorkerStatus.FAILED)
             self.buffer.event(
                 "worker.failed",
-                f"{slot.name} failed: down {slot.restarts} times, over its budget of "
+                f"{slot.name} failed: down {restarts} times, over its budget of "
                 f"{self.max_restarts} restarts; the job continues without it ({reason})",
-                {"slot": slot.name, "restarts": slot.restarts, "reason": reason},
+                {"slot": slot.name, "restarts": restarts, "reason": reason},
             )
+            slot.history.append(death)
+            slot.restarts = restarts
             self.say(
-                f"{slot.name}: FAILED: down {slot.restarts} times within "
+                f"{slot.name}: FAILED: down {restarts} times within "
                 f"{self.restart_window_s:.0f} s, over its budget of {self.max_restarts} restarts "
                 f"({reason}); the job continues without it"
             )
@@ -413,14 +420,15 @@ class Supervisor:
             if self.placement is not None:
                 self.placement.drop(slot.group)  # its resources go back to the cluster
             return
-        delay = min(self.backoff_cap_s, self.backoff_base_s * 2 ** (len(counted) - 1))
-        slot.next_start_at = now + delay
+        delay = min(self.backoff_cap_s, self.backoff_base_s * 2 ** (restarts - 1))
         self.buffer.event(
             "worker.restarting",
-            f"{slot.name} down ({reason}); restart {slot.restarts}/{self.max_restarts} "
-            f"in {delay:.1f} s",
-            {"slot": slot.name, "restarts": slot.restarts, "reason": reason, "delay_s": delay},
+            f"{slot.name} down ({reason}); restart {restarts}/{self.max_restarts} in {delay:.1f} s",
+            {"slot": slot.name, "restarts": restarts, "reason": reason, "delay_s": delay},
         )
+        slot.history.append(death)
+        slot.restarts = restarts
+        slot.next_start_at = now + delay
         self.say(
             f"{slot.name}: down ({reason}); restart {slot.restarts}/{self.max_restarts} in "
             f"{delay:.1f} s"
@@ -437,6 +445,8 @@ class Supervisor:
         from orchestrator.runner.placement import group_state, strategy
 
         state, node = group_state(slot.group)
+        if state == "UNKNOWN":  # Ray's GCS did not answer: no word on capacity, ask again
+            return
         if node is not None and node in (draining or set()):
             self._regroup(slot)  # placed on a draining machine: ask Ray for room elsewhere
             state, node = group_state(slot.group)
@@ -497,8 +507,9 @@ class Supervisor:
     def _regroup(self, slot: Slot) -> None:
         """A new placement group for the slot (the old one's machine is draining)."""
         assert self.placement is not None
-        self.placement.drop(slot.group)
-        slot.group = self.placement.new_slot(slot.name)
+        old = slot.group
+        slot.group = self.placement.new_slot(slot.name)  # first: should it fail, keep the old
+        self.placement.drop(old)
         slot.quiet_until = time.monotonic() + RESCHEDULE_GRACE_S
 
     # -- the fleet ----------------------------------------------------------------------------
@@ -517,6 +528,7 @@ class Supervisor:
             slot.group = self.placement.new_slot(slot.name)
             slot.quiet_until = time.monotonic() + RESCHEDULE_GRACE_S
             self.slots.append(slot)
+            self._set(slot, "waiting_capacity", "added: waits for Ray to place it")
             self.buffer.event(
                 "worker.added",
                 f"{slot.name} added: the job scaled to {target} rollout nodes",
@@ -560,10 +572,10 @@ class Supervisor:
         if done and slot.run_ref is not None:
             with contextlib.suppress(Exception):  # it ended with an error: no report
                 self.final_reports.append(ray.get(slot.run_ref, timeout=0))
+        if slot.worker_id is not None:  # whatever it still holds goes back (not counted)
+            self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD, counted=False)
         with contextlib.suppress(Exception):
             ray.kill(slot.actor, no_restart=True)
-        if slot.worker_id is not None:  # whatever it still holds goes back (not counted)
-            self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD)
         slot.actor = slot.run_ref = slot.worker_ref = None
         slot.up = False
         self.buffer.event(
@@ -587,7 +599,7 @@ class Supervisor:
         with contextlib.suppress(Exception):
             ray.kill(slot.actor, no_restart=True)
         if slot.worker_id is not None and slot.actor is not None:
-            self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD)
+            self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD, counted=False)
         slot.actor = slot.run_ref = slot.worker_ref = None
         slot.up = False
         if self.placement is not None:

@@ -102,12 +102,18 @@ def drain(address: str, prefix: str, *, deadline_s: float | None, reason: str) -
             "driver); it cannot be drained"
         )
     deadline_ms = 0 if deadline_s is None else int((time.time() + deadline_s) * 1000)
-    accepted, why = _client(address).drain_node(
-        node.node_id,
-        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-        reason,
-        deadline_ms,
-    )
+    try:
+        accepted, why = _client(address).drain_node(
+            node.node_id,
+            autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+            reason,
+            deadline_ms,
+        )
+    except Exception as e:
+        raise ConflictError(
+            f"the Ray cluster at {address} did not take the drain of node "
+            f"{node.node_id[:8]}: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}"
+        ) from None
     if not accepted:
         raise ConflictError(f"Ray refused to drain node {node.node_id[:8]}: {why}")
     return node

@@ -131,6 +131,12 @@ def test_machines_come_and_go_under_a_running_job(
         wait_for("rollout-0 serving on C", lambda: serving("rollout-0", machine["C"]), 120)
         # moved to a machine with room: it never said it waited for capacity
         assert "rollout-0: waiting for capacity" not in out.getvalue(), out.getvalue()
+        # the drained node stopped its samples at turn boundaries and gave the episodes back:
+        # none was abandoned with a turn lost (a sample that found its lease given back
+        # under it by another sample of its episode would be)
+        assert driver.supervisor is not None
+        drained = list(driver.supervisor.final_reports)
+        assert drained and all(r["episodes_abandoned"] == 0 for r in drained), drained
         steps_go_on()
 
         # three machine losses, each with a spare that joined before it; none is counted
@@ -179,6 +185,8 @@ def test_machines_come_and_go_under_a_running_job(
         with db.transaction() as tx:
             scale(tx, "elastic", 1, actor="test")
         wait_for("rollout-1 removed", lambda: slots()["rollout-1"][0] == "removed", 120)
+        drained = list(driver.supervisor.final_reports)
+        assert len(drained) >= 2 and all(r["episodes_abandoned"] == 0 for r in drained), drained
         steps_go_on()
     finally:
         driver.request_stop()

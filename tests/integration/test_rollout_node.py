@@ -195,3 +195,54 @@ def test_stop_on_a_node_that_is_not_running_ends_its_beats(
     finally:
         for node in (ran, idle):
             node._beats_stop.set()
+
+
+def test_a_drained_node_keeps_every_turn_its_samples_generated(
+    tiny_dir: Path, db: Database, db_url: str, engine: sa.Engine
+) -> None:
+    """``drain()`` while all four samples of an episode are mid-rollout: each stops at its next
+    turn boundary with that turn checkpointed (or committed), and the lease goes back only
+    once none runs. The first sample to stop used to give the lease back at once: the others'
+    turns in flight then found it gone and were dropped (generated, never stored)."""
+    import threading
+
+    from ops.bench.pipeline import Setup
+    from orchestrator.buffer.service import Buffer
+    from orchestrator.services.tasks import register_task
+
+    setup = Setup(nodes=1, concurrency=4, tasks=1, group_size=4, scale=0.01)
+    (_, spec), *_ = setup.task_specs()
+    with db.transaction() as tx:
+        register_task(
+            tx, job_name="default", name="long", plugin="longtail", actor="test",
+            max_inflight=1, max_staleness=4, spec_data=spec,
+        )  # fmt: skip
+    Buffer(db, 1, BufferConfig()).seed()
+    node = RolloutNode(
+        db_url,
+        1,
+        NodeConfig(
+            name="r0",
+            model_dir=str(tiny_dir),
+            concurrency=4,
+            heartbeat_interval_s=0.5,
+            engine=setup.engine_config(),
+            limits=Limits(max_tokens_per_turn=512, max_tokens=12_000),
+        ),
+        BufferConfig(),
+    )
+    report: dict[str, Any] = {}
+    run = threading.Thread(target=lambda: report.update(node.run()), daemon=True)
+    run.start()
+    turns = "SELECT count(*) FROM trajectories WHERE num_turns >= 2"
+    wait_for("samples two turns in", lambda: scalar(engine, turns) >= 2, 120)
+    node.drain()
+    run.join(timeout=120)
+    assert not run.is_alive()
+    stored = scalar(engine, "SELECT coalesce(sum(num_turns), 0) FROM trajectories")
+    # every turn the node's loops finished is in PostgreSQL
+    assert stored == node.stats.turns, (stored, node.stats)
+    assert report["episodes_handed_back"] >= 1 and report["episodes_abandoned"] == 0
+    # given back, not counted: the episode is queued again with its attempts unchanged
+    status, attempts = rows(engine, "SELECT status::text, attempts FROM episodes")[0]
+    assert status == "queued" and attempts == 0, (status, attempts)

@@ -141,6 +141,7 @@ class _Work:
     todo: deque[SampleState]  # samples not started yet
     running: int = 0  # samples being rolled out now
     failed: bool = False  # released or abandoned: no further sample starts
+    drained: bool = False  # a drain stopped a sample: given back once none runs
 
 
 class _Guarded:
@@ -572,8 +573,10 @@ class RolloutNode:
             with self._lock:
                 self.stats.samples_committed += 1
                 self._streak = 0
-        except Drained:
-            self._hand_back(work)
+        except Drained:  # stopped at a turn boundary; the lease goes back once none runs
+            with self._work_cv:
+                work.drained = True
+                work.todo.clear()
         except (LeaseLost, StaleLeaseError):
             self._fail(work, None)
         except UserCodeError as e:  # the input's fault: counted, never the breaker's
@@ -596,12 +599,18 @@ class RolloutNode:
             self._fail(work, EngineFailure(f"agent loop died: {e!r}", fatal=False), counted=False)
             raise
         finally:
+            hand_back = False
             with self._work_cv:
                 work.running -= 1
                 self._running -= 1
+                if work.running == 0 and work.drained and not work.failed:
+                    work.failed = True  # not committed: given back below
+                    hand_back = True
                 if work.running == 0 and (work.failed or not work.todo):
                     self._finish(work)
                 self._work_cv.notify_all()
+            if hand_back:
+                self._hand_back(lease)
 
     def _fail(self, work: _Work, error: Exception | None, *, counted: bool = True) -> None:
         """The episode's first failure: its other samples stop (at their next turn) and are
@@ -652,19 +661,16 @@ class RolloutNode:
         if trip is not None:
             self._give_up(trip, broken=True)
 
-    def _hand_back(self, work: _Work) -> None:
-        """A drain stopped the episode at a turn boundary: its lease goes back, not counted
-        (the next holder resumes from the checkpoints); its other samples stop at theirs."""
-        lease = work.claim.lease
-        with self._work_cv:
-            if work.failed:
-                return
-            work.failed = True
-            work.todo.clear()
-            self._lost.add((lease.episode_id, lease.epoch))
+    def _hand_back(self, lease: Lease) -> None:
+        """A drain stopped the episode: every sample of it that ran has stopped at a turn
+        boundary with its last turn checkpointed (or committed, when that turn ended it), so
+        its lease goes back, not counted; the next holder resumes from the checkpoints."""
         try:
             self.buffer.release(lease, "its rollout node is draining", counted=False)
         except StaleLeaseError:  # it moved on meanwhile
+            return
+        except Exception:  # the database is away: the lease expires and is swept instead
+            log.warning("could not give back drained episode %s", lease.episode_id, exc_info=True)
             return
         with self._lock:
             self.stats.episodes_handed_back += 1
