@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -180,7 +181,12 @@ class JobDriver(TrainerControl):
         # driver.log, not the user's terminal.
         # What refuses this run without Ray is checked first (and again under the lock).
         with self.db.transaction() as tx:
-            self._refusal(tx, tx.jobs.get_by_name(cfg.job.name), early=True)
+            running = self._refusal(tx, tx.jobs.get_by_name(cfg.job.name), early=True)
+        if running is not None:  # another driver runs it (the lock would refuse this one)
+            from orchestrator.runner.lifecycle import refuse
+
+            info = {"pid": os.getpid(), "host": socket.gethostname(), "actor": self.actor}
+            raise refuse(self.db, running, cfg.job.name, self.actor, info)
         self.run_dir = RunDir(
             Path(cfg.run.dir) if cfg.run.dir else self.home / "runs" / cfg.job.name
         )
@@ -234,12 +240,10 @@ class JobDriver(TrainerControl):
         self._start_scheduler()
         self._start_metrics()
 
-    def _refusal(self, tx: Any, job: Any, *, early: bool = False) -> None:
-        """Refuse a run of a job that does not exist with --resume, of a job that already
-        trained without it, and (``early``: before Ray starts; the driver lock decides later)
-        of a job another driver runs."""
-        from orchestrator.runner.lifecycle import already_running
-
+    def _refusal(self, tx: Any, job: Any, *, early: bool = False) -> int | None:
+        """Refuse a run of a job that does not exist with --resume and of a job that already
+        trained without it. ``early`` (before Ray starts; the driver lock decides later):
+        the id of the job when another driver runs it, for the caller to refuse."""
         name = self.cfg.job.name
         if job is None and self.resume:
             raise NotFoundError(
@@ -247,14 +251,15 @@ class JobDriver(TrainerControl):
                 "to start it"
             )
         if job is None:
-            return
+            return None
         if early and tx.jobs.driver_alive(job.id):
-            raise already_running(name, job.driver)
+            return int(job.id)
         if not self.resume and job.policy_version > 0:
             raise ConflictError(
                 f"job {name!r} already trained {job.policy_version} steps; pass --resume to "
                 "continue it, or set job.name to start a new job"
             )
+        return None
 
     def _recover_previous_run(self) -> None:
         """Work a previous driver of this job left behind goes through the normal paths: its

@@ -77,18 +77,7 @@ class JobLifecycle:
         if self.lock.acquire():
             return
         self.lock.close()
-        with self.db.transaction() as tx:
-            job = tx.jobs.get(self.job_id)
-            holder = describe_driver(job.driver if job else None)
-            tx.events.add(
-                "job.driver_refused",
-                self.actor,
-                f"a second driver (pid {self.info['pid']} on {self.info['host']}) was refused: "
-                f"job {self.job_name!r} is run by {holder}",
-                job_id=self.job_id,
-                payload={"refused": self.info, "holder": job.driver if job else None},
-            )
-        raise already_running(self.job_name, job.driver if job else None)
+        raise refuse(self.db, self.job_id, self.job_name, self.actor, self.info)
 
     def start(self, tx: Tx, *, resume: bool) -> int:
         """This driver holds the lock: take the job (in the caller's transaction)."""
@@ -209,6 +198,23 @@ class JobLifecycle:
                     job_id=self.job_id,
                     payload={**payload, "epoch": self.epoch, "pid": self.info["pid"]},
                 )
+
+
+def refuse(db: Database, job_id: int, name: str, actor: str, info: dict[str, Any]) -> ConflictError:
+    """A second driver for job ``name`` is refused: the ``job.driver_refused`` event (in its
+    own transaction) and the error to raise."""
+    with db.transaction() as tx:
+        job = tx.jobs.get(job_id)
+        holder = describe_driver(job.driver if job else None)
+        tx.events.add(
+            "job.driver_refused",
+            actor,
+            f"a second driver (pid {info['pid']} on {info['host']}) was refused: job {name!r} "
+            f"is run by {holder}",
+            job_id=job_id,
+            payload={"refused": info, "holder": job.driver if job else None},
+        )
+    return already_running(name, job.driver if job else None)
 
 
 def already_running(name: str, driver: dict[str, Any] | None) -> ConflictError:
