@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tasks.calculator import CalculatorSpec, CalculatorTask
-from tasks.retrieval import RetrievalSpec, RetrievalTask
+from rollcall.tasks.calculator import CalculatorSpec, CalculatorTask
+from rollcall.tasks.retrieval import RetrievalSpec, RetrievalTask
 
 HERE = Path(__file__).resolve().parent
 ROWS = 600  # training and held-out rows together (the config's key splits them)

@@ -1,6 +1,6 @@
 """Alembic environment: runs online against the connection rollcall passes in.
 
-``rollcall db upgrade`` (``orchestrator.db.migrate``) puts an open connection in
+``rollcall db upgrade`` (``rollcall.orchestrator.db.migrate``) puts an open connection in
 ``config.attributes["connection"]``. Run from the ``alembic`` command line (development only:
 ``alembic revision --autogenerate``), the URL comes from the usual rollcall resolution.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from alembic import context
 
-from orchestrator.db.migrate import include_name, include_object
-from orchestrator.db.models import Base
+from rollcall.orchestrator.db.migrate import include_name, include_object
+from rollcall.orchestrator.db.models import Base
 
 config = context.config
 target_metadata = Base.metadata
@@ -34,7 +34,7 @@ def run_migrations_online() -> None:
     if connection is not None:
         _configure_and_run(connection)
         return
-    from orchestrator.db.engine import open_database
+    from rollcall.orchestrator.db.engine import open_database
 
     db = open_database(verify_schema=False)
     try:

@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.services.drills import DrillReport, Drills
+from rollcall.orchestrator.services.drills import DrillReport, Drills
 
 KINDS = {
     "kill-rollout": 4,
@@ -208,8 +208,8 @@ def main() -> None:
     ap.add_argument("--database-url", default=None)
     args = ap.parse_args()
 
-    from orchestrator.db.embedded import EmbeddedPostgres
-    from orchestrator.db.engine import open_database
+    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
+    from rollcall.orchestrator.db.engine import open_database
 
     db = open_database(args.database_url)
     restart = outage = None

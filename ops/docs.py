@@ -3,10 +3,10 @@
     python ops/docs.py            # rewrite docs/configuration.md and docs/cli.md
     python ops/docs.py --check    # exit 1 (naming the stale files) when either is out of date
 
-``docs/configuration.md`` comes from the pydantic config models (``orchestrator.config``,
-``orchestrator.algorithms``): every section and key with its type, default, bounds and
+``docs/configuration.md`` comes from the pydantic config models (``rollcall.orchestrator.config``,
+``rollcall.orchestrator.algorithms``): every section and key with its type, default, bounds and
 description (a model's docstring, a field's ``Field(description=...)``). ``docs/cli.md`` comes
-from the typer app (``orchestrator.cli.app``): every command with its help, arguments and
+from the typer app (``rollcall.orchestrator.cli.app``): every command with its help, arguments and
 options. Both are rendered here, not by rich or click's help formatter, so the output depends
 on neither the terminal's width nor its colours: the same code gives the same bytes.
 ``tests/unit/test_docs.py`` fails when a committed file differs from a fresh generation.
@@ -47,7 +47,7 @@ CONFIG_INTRO = """\
 
 Job configs are YAML files (`configs/`: `quickstart.yaml`, `quickstart-vllm.yaml`,
 `smollm2.yaml`, `smollm2-vllm.yaml`, `production.yaml`), validated by the pydantic models of
-`orchestrator/config.py` and `orchestrator/algorithms.py`. Every model rejects unknown keys, so
+`orchestrator/config/` and `orchestrator/algorithms.py`. Every model rejects unknown keys, so
 a typo is an error that names the key. Configs are data: there is no interpolation or code
 evaluation of any kind.
 
@@ -329,13 +329,13 @@ def _title(s: Section) -> str:
 
 
 def config_reference() -> str:
-    from orchestrator.config import RollcallConfig
+    from rollcall.orchestrator.config import RollcallConfig
 
     sections = _sections(RollcallConfig, "")[1:]
     titles = [_title(s) for s in sections]
     out = [
         GENERATED.format(
-            cmd=REGENERATE, source="`orchestrator/config.py` and `orchestrator/algorithms.py`"
+            cmd=REGENERATE, source="`orchestrator/config/` and `orchestrator/algorithms.py`"
         ),
         CONFIG_INTRO,
         "## Sections\n",
@@ -488,12 +488,12 @@ def _param_table(cmd: Any, full: str) -> str:
 def cli_reference() -> str:
     from typer.main import get_command
 
-    from orchestrator.cli import app
+    from rollcall.orchestrator.cli import app
 
     root = get_command(app)
     commands = _commands(root, "rollcall")
     out = [
-        GENERATED.format(cmd=REGENERATE, source="the typer app `orchestrator.cli.app`"),
+        GENERATED.format(cmd=REGENERATE, source="the typer app `rollcall.orchestrator.cli.app`"),
         CLI_INTRO,
         "## Commands\n",
     ]

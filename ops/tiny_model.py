@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workers.tiny_model import BUILD_FILE, SHIPPED, file_digests  # noqa: E402
+from rollcall.workers.tiny_model import BUILD_FILE, SHIPPED, file_digests  # noqa: E402
 
 EVAL_EPISODES = 64
 
@@ -36,7 +36,7 @@ def build(out: Path) -> dict[str, object]:
     cmd = [
         sys.executable,
         "-m",
-        "orchestrator.cli",
+        "rollcall.orchestrator.cli",
         "model",
         "init",
         "--out",

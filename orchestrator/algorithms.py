@@ -2,7 +2,7 @@
 
 Each choice is a class with a ``kind`` tag in a discriminated union, so a config file names the
 estimator, the off-policy correction or the loss aggregation, and pydantic rejects anything
-else with the list of valid kinds. The mathematics lives in ``workers.trainer.grpo``, which
+else with the list of valid kinds. The mathematics lives in ``rollcall.workers.trainer.grpo``, which
 looks each kind up in a registry; adding one is a class here plus a registration there.
 Importable without torch.
 """
@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator import bounds as b
+from rollcall.orchestrator import bounds as b
 
 
 class _Strict(BaseModel):

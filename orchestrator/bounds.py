@@ -1,14 +1,15 @@
 """Bounds of every number a user gives rollcall: config values, CLI options, service inputs.
 
-One place for them. The config models (``orchestrator.config``, ``orchestrator.algorithms``)
+One place for them. The config models (``rollcall.orchestrator.config``,
+``rollcall.orchestrator.algorithms``)
 build their pydantic constraints from these ranges (``Range.field()``); the CLI commands and the
 task services check options and arguments with ``Range.check``, which raises a ``UserError`` of
 one sentence that names the option. An integer the database stores is bounded by its column
 (``integer``: int32) and by what makes sense; floats must be finite everywhere (the config
 models also set ``allow_inf_nan=False``).
 
-Standard library and ``orchestrator.errors`` only: the CLI imports this before it decides to
-load pydantic or SQLAlchemy (``rollcall --help`` stays fast).
+Standard library and ``rollcall.orchestrator.errors`` only: the CLI imports this before it decides
+to load pydantic or SQLAlchemy (``rollcall --help`` stays fast).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.errors import UserError
+from rollcall.orchestrator.errors import UserError
 
 INT32_MAX = 2**31 - 1  # PostgreSQL ``integer``
 WEEK_S = 7 * 24 * 3600.0
@@ -113,6 +114,10 @@ EPISODES = Range(0, 100_000)
 SEED = Range(0, 1_000_000)  # node seeds are seed * 1000 + index: within numpy's uint32
 PORT = Range(0, 65_535)
 BYTES = Range(1, INT32_MAX)  # a benchmark's published weights: up to 2 GiB per version
+INPUT_BYTES = Range(1_024, 1_073_741_824)  # a limit on one untrusted input: 1 KiB to 1 GiB
+SANDBOX_CPU_S = Range(1, 86_400)  # a tool call's CPU seconds (RLIMIT_CPU: whole seconds)
+SANDBOX_MB = Range(16, 1_048_576)  # a tool process's address space or largest file, MiB
+SANDBOX_COUNT = Range(1, 1_000_000)  # a tool process's processes or open files
 PREFIX_CACHE_ENTRIES = Range(0, 10_000_000)
 GPUS_PER_ENGINE = Range(1, 1_024)
 MAX_NUM_SEQS = Range(1, 65_536)

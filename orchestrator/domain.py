@@ -2,7 +2,7 @@
 
 Statuses are Python enums mirrored by PostgreSQL enum types (the database rejects any other
 value). Repositories return the frozen views below, never ORM objects, so no caller outside
-``orchestrator.db`` holds a session-bound object.
+``rollcall.orchestrator.db`` holds a session-bound object.
 
 Token payloads are stored as little-endian bytes: token ids int32, loss mask uint8, behaviour
 log-probs float32, one entry per token. ``TrajectoryPayload`` checks their shapes once, where
@@ -199,6 +199,14 @@ def encode(values: Any, dtype: np.dtype[Any]) -> bytes:
 
 def decode(raw: bytes, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     return np.frombuffer(raw, dtype=dtype).copy()
+
+
+# An agent's record of calls (``workers/episode``) in a payload's ``env_state["state"]``: JOURNAL
+# holds the entries, JOURNAL_STORED how many of the first ones its writer knows are stored. With
+# the mark, a write stores only the entries past it (``agent_journal`` rows, migration 0008) and
+# a read puts the whole journal back under JOURNAL; without it the state is stored as it is.
+JOURNAL = "journal"
+JOURNAL_STORED = "journal_stored"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Held-out rewards with their 95% intervals: the learning curve's band and the final summary.
 
 An evaluation scores the same held-out prompts with the same per-prompt sampling seeds every
-time (``workers.evaluation``), so the gain of a run is a paired difference: prompt ``i`` at the
-end against prompt ``i`` at the start. Intervals are normal approximations (mean +- 1.96
+time (``rollcall.workers.evaluation``), so the gain of a run is a paired difference: prompt ``i`` at
+the end against prompt ``i`` at the start. Intervals are normal approximations (mean +- 1.96
 standard errors), fair for the 32+ episodes per task an evaluation plays.
 """
 

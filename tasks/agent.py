@@ -1,6 +1,6 @@
 """``agent``: a task whose episodes are played by the user's own agent function.
 
-The user writes ``async def rollout(ctx, prompt) -> Outcome`` (the API: ``workers.agents``,
+The user writes ``async def rollout(ctx, prompt) -> Outcome`` (the API: ``import rollcall``,
 the manual: docs/agents.md) and names it in the config with a prompt source::
 
     tasks:
@@ -12,13 +12,14 @@ This module is the plugin side of it: the spec (which function, which prompts, t
 settings), the prompt streams and the checks that refuse bad input with one sentence before
 anything is written (a missing module or function, a function of the wrong shape, a prompt file
 with a bad row). It plays nothing itself: a rollout node sees ``AgentTask`` and runs the
-function through ``workers.agents`` (the model's chat template, the engine, durable replay).
+function through ``rollcall.workers.episode`` (the model's chat template, the engine, durable
+replay).
 
 Prompt sources are deterministic by index: the ``index``-th training prompt is the
 ``index mod n``-th row of the training split (files read in sorted order, rows in file order),
 so a restart that resumes from the persisted cursor neither repeats nor skips a prompt; a row
 is held out by its ``key`` column (or the whole row) as the built-in tasks split theirs
-(``tasks.base.held_out``).
+(``rollcall.tasks.base.held_out``).
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ import inspect
 import json
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from tasks.base import BaseTask, Observation, TaskSpec, Tool, held_out
+from rollcall.tasks.base import BaseTask, Observation, TaskSpec, Tool, held_out
 
 
 class AgentSpecError(ValueError):
@@ -96,6 +98,12 @@ def _file_module(name: str, path: Path, where: str, ref: str) -> Any:
     if spec is None or spec.loader is None:  # pragma: no cover - a .py file always has one
         raise AgentSpecError(f"agent {ref!r}: {where} cannot be imported")
     module = importlib.util.module_from_spec(spec)
+    # its sibling modules import as under `python agent.py`: its folder first on sys.path (every
+    # process that loads it: the driver, each node, the evaluator). rollcall's own packages are
+    # under `rollcall.`, so a sibling named `tasks` or `workers` is the user's
+    folder = str(path.parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
@@ -328,8 +336,35 @@ class AgentSpec(TaskSpec):
         return self
 
 
+# Specs validated in this process, by class and JSON (least recently used forgotten first).
+_VALIDATED: OrderedDict[tuple[type[TaskSpec], str], TaskSpec] = OrderedDict()
+_VALIDATED_MAX = 64
+_VALIDATED_LOCK = threading.Lock()
+
+
+def validated_once(spec_cls: type[TaskSpec], data: dict[str, Any]) -> TaskSpec:
+    """``spec_cls.model_validate(data)``, once per process for each spec: validating an agent
+    task's spec reads the file system (it imports and checks the agent function, stats and
+    globs the prompt files), and a rollout node validates the spec of every episode it claims.
+    Specs are frozen, so one instance is shared; a spec that fails is not kept (validated again
+    next time, with the error raised each time). For specs as stored (their paths resolved when
+    the task was registered), not as a user wrote them."""
+    key = (spec_cls, json.dumps(data, sort_keys=True, default=str))
+    with _VALIDATED_LOCK:
+        spec = _VALIDATED.get(key)
+        if spec is not None:
+            _VALIDATED.move_to_end(key)
+            return spec
+    spec = spec_cls.model_validate(data)
+    with _VALIDATED_LOCK:
+        _VALIDATED[key] = spec
+        while len(_VALIDATED) > _VALIDATED_MAX:
+            _VALIDATED.popitem(last=False)
+    return spec
+
+
 class AgentTask(BaseTask):
-    """The plugin of every agent task; a rollout node plays it with ``workers.agents``."""
+    """The plugin of every agent task; a rollout node plays it with ``rollcall.workers.episode``."""
 
     name: ClassVar[str] = "agent"
     description: ClassVar[str] = "Your own async agent function over a prompt file."

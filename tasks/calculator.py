@@ -1,7 +1,7 @@
 """``calculator``: multi-step arithmetic word problems, with a ``calc`` tool.
 
-The agent may call ``calc`` (a safe evaluator, ``tasks.safe_eval``) as often as it likes, then
-gives its final answer. Reward: 1 for the correct number; 0.1 for a well-formed number that is
+The agent may call ``calc`` (a safe evaluator, ``rollcall.tasks.safe_eval``) as often as it likes,
+then gives its final answer. Reward: 1 for the correct number; 0.1 for a well-formed number that is
 wrong (a small format term that helps a weak policy learn the answer syntax); 0 otherwise.
 """
 
@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from tasks.base import Observation, SplitTask, TaskSpec, Tool, ToolError, require_args
-from tasks.safe_eval import CalcError, evaluate, format_number
+from rollcall.tasks.base import Observation, SplitTask, TaskSpec, Tool, ToolError, require_args
+from rollcall.tasks.safe_eval import CalcError, evaluate, format_number
 
 FORMAT_REWARD = 0.1
 NAMES = ("Ada", "Bo", "Cyra", "Dev", "Emil", "Faye", "Goro", "Hana")

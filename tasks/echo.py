@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from tasks.base import BaseTask, TaskSpec
+from rollcall.tasks.base import BaseTask, TaskSpec
 
 DEFAULT_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel")
 

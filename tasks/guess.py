@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from tasks.base import Observation, SplitTask, TaskSpec, Tool, ToolError, require_args
+from rollcall.tasks.base import Observation, SplitTask, TaskSpec, Tool, ToolError, require_args
 
 
 class GuessSpec(TaskSpec):

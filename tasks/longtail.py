@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from tasks.base import BaseTask, Observation, TaskSpec, Tool, ToolError
+from rollcall.tasks.base import BaseTask, Observation, TaskSpec, Tool, ToolError
 
 TOOL = "work"
 

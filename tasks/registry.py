@@ -12,27 +12,27 @@ import importlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from tasks.base import TaskPlugin
+from rollcall.tasks.base import TaskPlugin
 
 ENTRY_POINT_GROUP = "rollcall.tasks"
 
 # name -> "module:Class" of the built-in plugins
 BUILTIN: dict[str, str] = {
-    "calculator": "tasks.calculator:CalculatorTask",
-    "echo": "tasks.echo:EchoTask",
-    "guess": "tasks.guess:GuessTask",
-    "retrieval": "tasks.retrieval:RetrievalTask",
+    "calculator": "rollcall.tasks.calculator:CalculatorTask",
+    "echo": "rollcall.tasks.echo:EchoTask",
+    "guess": "rollcall.tasks.guess:GuessTask",
+    "retrieval": "rollcall.tasks.retrieval:RetrievalTask",
 }
 # Built-in timing models for benchmarks (ops/bench/): plugins like the others, but not tasks to
 # learn (no language), so the tiny model's tokenizer and warm start leave them out.
 BENCHMARK: dict[str, str] = {
-    "longtail": "tasks.longtail:LongtailTask",
+    "longtail": "rollcall.tasks.longtail:LongtailTask",
 }
 # The plugin of agent tasks (the user's own agent function over a prompt file, docs/agents.md):
 # it has no default spec (the function and the prompts are the user's), so it is no task to
 # warm-start or sample on its own either.
 AGENT: dict[str, str] = {
-    "agent": "tasks.agent:AgentTask",
+    "agent": "rollcall.tasks.agent:AgentTask",
 }
 
 

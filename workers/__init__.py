@@ -1,4 +1,4 @@
-"""Rollout nodes (engines, agent loops) and trainer ranks, as Ray actors.
+"""Rollout nodes (engines, their episodes) and trainer ranks, as Ray actors.
 
-Workers reach the database only through ``orchestrator.db`` repositories.
+Workers reach the database only through ``rollcall.orchestrator.db`` repositories.
 """

@@ -20,8 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from tasks import registry
-from workers.rollout.usercode import UserCodeError
+from rollcall.orchestrator.config import InputLimitsConfig, ToolSandboxConfig
+from rollcall.tasks import registry
+from rollcall.workers.episode.usercode import UserCodeError
+from rollcall.workers.rollout.engines.batching import BatchingEngine
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +53,12 @@ class Evaluator:
         threads: int = 1,
         tool_format: str = "auto",
         chat_template: str | None = None,
+        tool_sandbox: ToolSandboxConfig | None = None,
+        input_limits: InputLimitsConfig | None = None,
     ) -> None:
         import torch
 
-        from workers.rollout.engines.batching import BatchingEngine
-        from workers.rollout.engines.hf import HFEngine
+        from rollcall.workers.rollout.engines.hf import HFEngine
 
         torch.set_num_threads(threads)
         self.hf = HFEngine(model_dir, seed=seed)
@@ -65,15 +68,21 @@ class Evaluator:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.seed = seed
-        from workers.rollout.chat import chat_for
-        from workers.rollout.tools import ToolRunner
+        from rollcall.workers.episode.chat import chat_for
+        from rollcall.workers.episode.tools import ToolRunner
 
         self.chat = chat_for(self.hf.tokenizer, tool_format, chat_template)
         # One tool process per concurrent episode, reused by the episodes that follow (as a
         # rollout node's agent loops do): a new process per episode costs a process start and
         # its imports, 128 times per evaluation of the quickstart.
         self._runners: queue.SimpleQueue[ToolRunner] = queue.SimpleQueue()
-        self._all_runners = [ToolRunner() for _ in range(concurrency)]
+        self.tool_sandbox = tool_sandbox or ToolSandboxConfig()
+        self.input_limits = input_limits or InputLimitsConfig()
+        observation = self.input_limits.observation_bytes
+        self._all_runners = [
+            ToolRunner(sandbox=self.tool_sandbox, observation_bytes=observation)
+            for _ in range(concurrency)
+        ]
         for r in self._all_runners:
             self._runners.put(r)
 
@@ -85,12 +94,11 @@ class Evaluator:
         location: str | None = None,
     ) -> dict[str, list[float]]:
         """The reward of each held-out prompt 0..episodes-1 per task, under ``version``."""
-        from tasks.agent import AgentSpec
-        from workers.agents.runtime import AgentRun
-        from workers.rollout.agent import AgentLoop, Limits
+        from rollcall.workers.episode.loop import Limits
+        from rollcall.workers.episode.play import player
 
         if location is not None and version != self.engine.version:
-            from workers.trainer.weights import wait_published
+            from rollcall.workers.weights import wait_published
 
             wait_published(location)  # written in the background (collective transport)
             self.engine.load_weights(version, location)
@@ -105,23 +113,22 @@ class Evaluator:
                 max_tokens=self.max_tokens,
                 temperature=self.temperature,
                 seed=episode_seed(self.seed, task.name, i),
+                tool_arguments_bytes=self.input_limits.tool_arguments_bytes,
+                observation_bytes=self.input_limits.observation_bytes,
+                step_result_bytes=self.input_limits.step_result_bytes,
+                request_body_bytes=self.input_limits.request_body_bytes,
+                network=task.name in self.tool_sandbox.network_tasks,
             )
             runner = self._runners.get()
             try:
-                if isinstance(spec, AgentSpec):
-                    run = AgentRun(
-                        self.engine, self.chat, spec, plugin.eval_prompt(spec, i), runner, limits
-                    )
-                    return task.name, run.run().reward
-                loop = AgentLoop(
+                loop = player(
                     self.engine,
-                    self.hf.tokenizer,
+                    self.chat,
                     plugin,
                     spec,
                     plugin.eval_prompt(spec, i),
                     runner,
                     limits,
-                    self.chat,
                 )
                 return task.name, loop.run().reward
             except UserCodeError as e:  # the prompt's fault: it scores 0, the rest go on

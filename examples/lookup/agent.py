@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tasks.retrieval import build_corpus, normalise
-from workers.agents import AgentContext, Outcome
+from rollcall import AgentContext, Outcome
+from rollcall.tasks.retrieval import build_corpus, normalise
 
 CORPUS = build_corpus(0, 12, 6)  # the retrieval task's default corpus
 

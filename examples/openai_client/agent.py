@@ -18,9 +18,9 @@ from typing import Any
 
 import openai
 
-from tasks.calculator import parse_number
-from tasks.safe_eval import CalcError, evaluate, format_number
-from workers.agents import AgentContext, Outcome
+from rollcall import AgentContext, Outcome
+from rollcall.tasks.calculator import parse_number
+from rollcall.tasks.safe_eval import CalcError, evaluate, format_number
 
 INSTRUCTION = "Use the calc tool for arithmetic. Give the final answer as a number."
 CALC: Any = {

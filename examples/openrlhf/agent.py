@@ -26,9 +26,9 @@ import json
 import re
 from typing import Any
 
-from tasks.calculator import parse_number
-from tasks.safe_eval import CalcError, evaluate, format_number
-from workers.agents import AgentContext, Outcome
+from rollcall import AgentContext, Outcome
+from rollcall.tasks.calculator import parse_number
+from rollcall.tasks.safe_eval import CalcError, evaluate, format_number
 
 INSTRUCTION = "Use the calc tool for arithmetic. Give the final answer as a number."
 CALC = {

@@ -11,9 +11,7 @@ Create Date: 2026-12-04
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
-from pathlib import Path
 
 import sqlalchemy as sa
 from alembic import op
@@ -129,6 +127,81 @@ BEGIN
 END $$
 """
 
+# 0002's ``rollcall_write_sample``, frozen here for the downgrade (migrations are history).
+WRITE_FN_0002 = """
+CREATE FUNCTION rollcall_write_sample(
+    p_episode bigint, p_epoch bigint, p_sample integer, p_commit boolean,
+    p_token_ids bytea, p_loss_mask bytea, p_logprobs bytea, p_num_tokens integer,
+    p_prompt_tokens integer, p_num_turns integer, p_turn_offsets integer[],
+    p_turn_versions integer[], p_min_version integer, p_env_state jsonb, p_finished boolean,
+    p_reward double precision, p_reward_info jsonb
+) RETURNS TABLE (outcome text, group_done boolean) LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    ep record;
+    n integer;
+    v_outcome text;
+    v_done boolean := false;
+BEGIN
+    IF p_commit THEN
+        SELECT e.task_id INTO ep FROM episodes e
+        WHERE e.id = p_episode AND e.lease_epoch = p_epoch AND e.status = 'leased' FOR UPDATE;
+    ELSE
+        SELECT e.task_id INTO ep FROM episodes e
+        WHERE e.id = p_episode AND e.lease_epoch = p_epoch AND e.status = 'leased' FOR SHARE;
+    END IF;
+    IF NOT FOUND THEN
+        IF p_commit THEN
+            SELECT e.task_id INTO ep FROM episodes e
+            WHERE e.id = p_episode AND e.lease_epoch = p_epoch AND e.status = 'done';
+            IF FOUND AND EXISTS (
+                SELECT 1 FROM trajectories tr WHERE tr.task_id = ep.task_id
+                AND tr.episode_id = p_episode AND tr.sample_index = p_sample
+                AND tr.status IN ('ready', 'claimed', 'consumed')
+            ) THEN
+                RETURN QUERY SELECT 'already'::text, true;
+                RETURN;
+            END IF;
+        END IF;
+        RETURN QUERY SELECT 'stale'::text, false;
+        RETURN;
+    END IF;
+    INSERT INTO trajectories AS tr (
+        task_id, episode_id, sample_index, lease_epoch, token_ids, loss_mask,
+        behaviour_logprobs, num_tokens, prompt_tokens, num_turns, turn_offsets, turn_versions,
+        min_policy_version, env_state, finished, status, reward, reward_info, ready_at
+    ) VALUES (
+        ep.task_id, p_episode, p_sample, p_epoch, p_token_ids, p_loss_mask, p_logprobs,
+        p_num_tokens, p_prompt_tokens, p_num_turns, p_turn_offsets, p_turn_versions,
+        p_min_version, p_env_state, p_finished,
+        CASE WHEN p_commit THEN 'ready' ELSE 'in_progress' END::trajectory_status,
+        p_reward, p_reward_info, CASE WHEN p_commit THEN now() END
+    )
+    ON CONFLICT (task_id, episode_id, sample_index) DO UPDATE SET
+        lease_epoch = excluded.lease_epoch, token_ids = excluded.token_ids,
+        loss_mask = excluded.loss_mask, behaviour_logprobs = excluded.behaviour_logprobs,
+        num_tokens = excluded.num_tokens, prompt_tokens = excluded.prompt_tokens,
+        num_turns = excluded.num_turns, turn_offsets = excluded.turn_offsets,
+        turn_versions = excluded.turn_versions, min_policy_version = excluded.min_policy_version,
+        env_state = excluded.env_state, finished = excluded.finished, status = excluded.status,
+        reward = excluded.reward, reward_info = excluded.reward_info,
+        ready_at = excluded.ready_at, updated_at = now()
+    WHERE tr.status = 'in_progress';
+    GET DIAGNOSTICS n = ROW_COUNT;
+    v_outcome := CASE WHEN n > 0 THEN 'written' ELSE 'already' END;
+    IF p_commit THEN
+        UPDATE episodes e SET status = 'done', lease_owner = NULL, lease_expires_at = NULL,
+               finished_at = now(), updated_at = now(), min_policy_version = prog.m
+        FROM (
+            SELECT count(*) AS c, min(t.min_policy_version) AS m FROM trajectories t
+            WHERE t.task_id = ep.task_id AND t.episode_id = p_episode AND t.status = 'ready'
+        ) prog
+        WHERE e.id = p_episode AND prog.c >= e.group_size;
+        v_done := FOUND;
+    END IF;
+    RETURN QUERY SELECT v_outcome, v_done;
+END $$
+"""
+
 OLD_SIGNATURE = (
     "rollcall_write_sample(bigint, bigint, integer, boolean, bytea, bytea, bytea, integer, "
     "integer, integer, integer[], integer[], integer, jsonb, boolean, double precision, jsonb)"
@@ -162,16 +235,6 @@ SELECT c.relname FROM pg_class c
 WHERE c.relname ~ '^trajectories_t[0-9]+$' AND c.relkind = 'r'
   AND NOT EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhrelid = c.oid)
 """
-
-
-def _write_fn_0002() -> str:
-    """0002's ``rollcall_write_sample``, which a downgrade puts back."""
-    path = Path(__file__).with_name("0002_buffer_state_machine.py")
-    spec = importlib.util.spec_from_file_location("rollcall_migration_0002", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return str(module.WRITE_FN)
 
 
 def _detached() -> list[str]:
@@ -247,5 +310,5 @@ def downgrade() -> None:
             """
         )
     op.execute(f"DROP FUNCTION {NEW_SIGNATURE}")
-    op.execute(_write_fn_0002())
+    op.execute(WRITE_FN_0002)
     op.drop_table("trajectory_segments")

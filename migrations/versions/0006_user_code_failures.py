@@ -11,9 +11,7 @@ Create Date: 2026-12-05
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
-from pathlib import Path
 
 import sqlalchemy as sa
 from alembic import op
@@ -94,14 +92,69 @@ END $$
 """
 
 
-def _claim_fn_0002() -> str:
-    """0002's ``rollcall_claim``, which a downgrade puts back."""
-    path = Path(__file__).with_name("0002_buffer_state_machine.py")
-    spec = importlib.util.spec_from_file_location("rollcall_migration_0002", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return str(module.CLAIM_FN).replace("CREATE FUNCTION", "CREATE OR REPLACE FUNCTION", 1)
+# 0002's ``rollcall_claim``, frozen here for the downgrade (migrations are history).
+CLAIM_FN_0002 = """
+CREATE OR REPLACE FUNCTION rollcall_claim(
+    p_tasks bigint[], p_worker bigint, p_lease_s double precision, p_tau double precision,
+    p_wait boolean
+) RETURNS TABLE (
+    outcome text, skipped bigint[], episode_id bigint, task_id bigint, prompt_index bigint,
+    prompt jsonb, group_size integer, lease_epoch bigint, attempts integer, task_name text,
+    plugin text, spec jsonb
+) LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    t bigint;
+    tk record;
+    ep record;
+    n bigint;
+    v_skipped bigint[] := '{}';
+BEGIN
+    FOREACH t IN ARRAY p_tasks LOOP
+        IF p_wait THEN
+            SELECT k.id, k.name, k.plugin, k.spec, k.max_inflight INTO tk FROM tasks k
+            WHERE k.id = t AND k.status IN ('active', 'draining') FOR NO KEY UPDATE;
+        ELSE
+            SELECT k.id, k.name, k.plugin, k.spec, k.max_inflight INTO tk FROM tasks k
+            WHERE k.id = t AND k.status IN ('active', 'draining') FOR NO KEY UPDATE SKIP LOCKED;
+        END IF;
+        IF NOT FOUND THEN
+            IF NOT p_wait THEN
+                v_skipped := v_skipped || t;
+            END IF;
+            CONTINUE;
+        END IF;
+        SELECT count(*) INTO n FROM episodes e WHERE e.task_id = t AND e.status = 'leased';
+        IF n >= tk.max_inflight THEN
+            CONTINUE;
+        END IF;
+        UPDATE episodes e
+        SET status = 'leased', lease_owner = p_worker, lease_epoch = e.lease_epoch + 1,
+            lease_expires_at = now() + make_interval(secs => p_lease_s),
+            leased_at = now(), attempts = e.attempts + 1, updated_at = now()
+        WHERE e.id = (
+            SELECT q.id FROM episodes q WHERE q.task_id = t AND q.status = 'queued'
+            ORDER BY q.id LIMIT 1 FOR UPDATE SKIP LOCKED
+        )
+        RETURNING e.id, e.task_id, e.prompt_index, e.prompt, e.group_size, e.lease_epoch,
+                  e.attempts INTO ep;
+        IF NOT FOUND THEN
+            CONTINUE;
+        END IF;
+        UPDATE tasks SET
+            claim_score = claim_score
+                * exp(-greatest(extract(epoch FROM now() - claim_score_at), 0) / p_tau) + 1,
+            claim_score_at = now()
+        WHERE id = t;
+        RETURN QUERY SELECT 'leased'::text, v_skipped, ep.id, ep.task_id, ep.prompt_index,
+            ep.prompt, ep.group_size, ep.lease_epoch, ep.attempts, tk.name::text,
+            tk.plugin::text, tk.spec;
+        RETURN;
+    END LOOP;
+    RETURN QUERY SELECT 'none'::text, v_skipped, NULL::bigint, NULL::bigint, NULL::bigint,
+        NULL::jsonb, NULL::integer, NULL::bigint, NULL::integer, NULL::text, NULL::text,
+        NULL::jsonb;
+END $$
+"""
 
 
 def upgrade() -> None:
@@ -116,7 +169,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.execute(_claim_fn_0002())
+    op.execute(CLAIM_FN_0002)
     op.drop_column("workers", "status_reason")
     op.drop_column("tasks", "status_reason")
     op.drop_column("episodes", "failed_worker_retry_at")

@@ -3,7 +3,7 @@
 Measures, on a fresh database in a temporary ROLLCALL_HOME:
 
 1. commit throughput: W writer processes claim groups and commit 4K-token trajectories (token
-   ids, loss mask, behaviour log-probs), one transaction per trajectory, then one per group;
+   ids, loss mask, behaviour log-probs), one statement per trajectory, as rollout nodes do;
 2. episode-claim latency p50/p99 with C concurrent claimers, each working on its episode for
    an exponentially distributed time (``--think-ms``) before its next claim, as rollout nodes
    do: as threads of one process, then spread over 8 processes (on a 2-CPU machine those client
@@ -36,13 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 
-from orchestrator.buffer.service import Buffer
-from orchestrator.config import BufferConfig
-from orchestrator.db import migrate
-from orchestrator.db.embedded import EmbeddedPostgres
-from orchestrator.db.engine import open_database
-from orchestrator.domain import TrajectoryPayload
-from orchestrator.services.tasks import register_task
+from rollcall.orchestrator.buffer.rollout import RolloutBuffer
+from rollcall.orchestrator.buffer.trainer import TrainerBuffer
+from rollcall.orchestrator.config import BufferConfig
+from rollcall.orchestrator.db import migrate
+from rollcall.orchestrator.db.embedded import EmbeddedPostgres
+from rollcall.orchestrator.db.engine import open_database
+from rollcall.orchestrator.domain import TrajectoryPayload
+from rollcall.orchestrator.services.tasks import register_task
 
 GROUP = 8
 TASKS = ("math", "search", "game", "code")
@@ -101,12 +102,10 @@ def setup(url: str, episodes_per_task: int) -> None:
     db.dispose()
 
 
-def writer(
-    url: str, idx: int, tokens: int, groups: int, per_group: bool, ready: Any, go: Any, out: Any
-) -> None:
+def writer(url: str, idx: int, tokens: int, groups: int, ready: Any, go: Any, out: Any) -> None:
     db = open_database(url, pool_size=1)
-    buf = Buffer(db, 1, BufferConfig(lease_s=600))
-    w = buf.register_worker(f"writer-{idx}-{int(per_group)}")
+    buf = RolloutBuffer(db, 1, BufferConfig(lease_s=600))
+    w = buf.register_worker(f"writer-{idx}")
     payloads = [make_payload(tokens, idx * 100 + i) for i in range(GROUP)]
     ready.release()
     go.wait()
@@ -117,24 +116,19 @@ def writer(
         if c is None:
             break
         t0 = time.perf_counter()
-        if per_group:
-            buf.commit_many(c.lease, [(i, payloads[i], 1.0, None) for i in range(GROUP)])
-        else:
-            for i in range(GROUP):
-                buf.commit(c.lease, i, payloads[i], float(i % 2))
+        for i in range(GROUP):
+            buf.commit(c.lease, i, payloads[i], float(i % 2))
         commit_s += time.perf_counter() - t0
         committed += GROUP
     db.dispose()
     out.put((committed, commit_s))
 
 
-def commit_phase(
-    url: str, writers: int, tokens: int, groups: int, per_group: bool
-) -> dict[str, float]:
+def commit_phase(url: str, writers: int, tokens: int, groups: int) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     q, ready, go = ctx.Queue(), ctx.Semaphore(0), ctx.Event()
     procs = [
-        ctx.Process(target=writer, args=(url, i, tokens, groups, per_group, ready, go, q))
+        ctx.Process(target=writer, args=(url, i, tokens, groups, ready, go, q))
         for i in range(writers)
     ]
     for p in procs:
@@ -178,7 +172,7 @@ def claimer_proc(
 
     def run(t: int) -> None:
         db = open_database(url, pool_size=1)
-        buf = Buffer(db, 1, BufferConfig(lease_s=600))
+        buf = RolloutBuffer(db, 1, BufferConfig(lease_s=600))
         w = buf.register_worker(f"claimer-{idx}-{t}")
         mine = []
         rng = random.Random(idx * 1000 + t)
@@ -238,7 +232,7 @@ def claim_phase(
 
 def trainer_phase(url: str, batch_groups: int, steps: int) -> dict[str, float]:
     db = open_database(url)
-    buf = Buffer(db, 1, BufferConfig(batch_groups=batch_groups))
+    buf = TrainerBuffer(db, 1, BufferConfig(batch_groups=batch_groups))
     claim_ms, commit_ms, trajs = [], [], 0
     for step in range(steps):
         t0 = time.perf_counter()
@@ -288,7 +282,7 @@ def main() -> None:
     try:
         url = server.ensure_running()
         per_task = (
-            2 * args.writers * args.groups_per_writer + 3 * args.claimers * args.claims_per_claimer
+            args.writers * args.groups_per_writer + 3 * args.claimers * args.claims_per_claimer
         ) // len(TASKS) + 64
         setup(url, per_task)
         print(
@@ -296,13 +290,8 @@ def main() -> None:
             f"{args.tokens}-token trajectories",
             flush=True,
         )
-        single = commit_phase(
-            url, args.writers, args.tokens, args.groups_per_writer, per_group=False
-        )
-        grouped = commit_phase(
-            url, args.writers, args.tokens, args.groups_per_writer, per_group=True
-        )
-        groups_done = (single["trajectories"] + grouped["trajectories"]) // GROUP
+        single = commit_phase(url, args.writers, args.tokens, args.groups_per_writer)
+        groups_done = single["trajectories"] // GROUP
         trainer = trainer_phase(
             url, args.batch_groups, steps=max(1, min(5, groups_done // args.batch_groups))
         )
@@ -322,11 +311,6 @@ def main() -> None:
             "commit, 1 trajectory per transaction",
             f"{single['per_s']:.0f} traj/s",
             f"{args.writers} writers, {single['trajectories']} trajectories",
-        ),
-        (
-            "commit, 1 group (8) per transaction",
-            f"{grouped['per_s']:.0f} traj/s",
-            f"{args.writers} writers, {grouped['trajectories']} trajectories",
         ),
         (
             "episode claim p50 / p99",
@@ -367,7 +351,6 @@ def main() -> None:
                 "tokens": args.tokens,
                 "writers": args.writers,
                 "commit_traj_per_s": round(single["per_s"], 1),
-                "commit_group_traj_per_s": round(grouped["per_s"], 1),
                 "claimers": claims["claimers"],
                 "claim_p50_ms": round(claims["p50_ms"], 2),
                 "claim_p99_ms": round(claims["p99_ms"], 2),

@@ -21,11 +21,11 @@ One engine runs at a time: each vLLM engine is started, measured and closed befo
    p90 seconds over every turn of every loop, and the share of prompt tokens served from a
    cache (``Generation.cached_tokens``);
 4. weight reload: ``load_weights`` of 3 new versions (the model's weights perturbed by noise of
-   1e-3 x each tensor's std, published with ``workers.trainer.weights.publish`` without the
+   1e-3 x each tensor's std, published with ``rollcall.workers.weights.publish`` without the
    tied ``lm_head.weight``), mean seconds; one generation afterwards must carry the last one.
 
-The model is the tiny local one (``workers.tiny_model.build_tiny``, hidden 64, 2 layers, 2 heads
-of 32: vLLM's CPU attention needs a head size of 32 or more), built into a temporary folder,
+The model is the tiny local one (``rollcall.workers.tiny_model.build_tiny``, hidden 64, 2 layers, 2
+heads of 32: vLLM's CPU attention needs a head size of 32 or more), built into a temporary folder,
 unless ``--model DIR`` names another Hugging Face model folder to use instead.
 
 Usage: python ops/bench/engines.py [--quick] [--model DIR] [--engines hf vllm] [--loops 1 4 16]
@@ -58,8 +58,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from orchestrator.config import HFEngineConfig, VLLMEngineConfig  # noqa: E402
-from workers.rollout.engines.base import Engine, GenerationRequest  # noqa: E402
+from rollcall.orchestrator.config import HFEngineConfig, VLLMEngineConfig  # noqa: E402
+from rollcall.workers.episode.engine import Engine, GenerationRequest  # noqa: E402
 
 HF_THREADS = 2
 RELOADS = 3
@@ -86,7 +86,7 @@ def version_of(*names: str) -> str | None:
 
 def other_vllm() -> int:
     """vLLM processes on this machine that are not this run's (other work sharing the cores)."""
-    from workers.rollout.engines.vllm import all_engine_processes, engine_processes
+    from rollcall.orchestrator.engineprocs import all_engine_processes, engine_processes
 
     ours = {pid for pid, _ in engine_processes(os.getpid())}
     return sum(1 for pid, _ in all_engine_processes() if pid not in ours)
@@ -197,7 +197,7 @@ def throughput(
     """Tokens/s of ``loops`` concurrent agent loops, the median of ``repeats`` runs; the hf
     engine behind ``BatchingEngine`` as a rollout node puts it (``max_batch`` = the loops),
     vLLM called directly."""
-    from workers.rollout.engines.batching import BatchingEngine
+    from rollcall.workers.rollout.engines.batching import BatchingEngine
 
     runs = []
     for _ in range(repeats):
@@ -217,7 +217,7 @@ def throughput(
 
 
 def latency(engine: Any, loops: int, turns: int, batching: bool) -> dict[str, Any]:
-    from workers.rollout.engines.batching import BatchingEngine
+    from rollcall.workers.rollout.engines.batching import BatchingEngine
 
     front: Any = BatchingEngine(engine, max_batch=max(1, loops)) if batching else engine
     try:
@@ -236,7 +236,7 @@ def perturbed_versions(model_dir: Path, root: Path) -> list[tuple[int, str]]:
     import torch
     from safetensors.torch import load_file
 
-    from workers.trainer.weights import publish
+    from rollcall.workers.weights import publish
 
     base = load_file(str(model_dir / "model.safetensors"))
     base.pop("lm_head.weight", None)
@@ -300,7 +300,7 @@ def started(make: Callable[[], Any], label: str, into: dict[str, Any]) -> Iterat
 def bench_hf(
     model: Path, args: argparse.Namespace, versions: list[tuple[int, str]]
 ) -> dict[str, Any]:
-    from workers.rollout.engines.factory import make_engine
+    from rollcall.workers.rollout.engines.factory import make_engine
 
     out: dict[str, Any] = {"cache_on": {}, "cache_off": {}}
 
@@ -330,7 +330,7 @@ def bench_hf(
 def bench_vllm(
     model: Path, args: argparse.Namespace, versions: list[tuple[int, str]]
 ) -> dict[str, Any]:
-    from workers.rollout.engines.factory import make_engine
+    from rollcall.workers.rollout.engines.factory import make_engine
 
     out: dict[str, Any] = {"cache_on": {}, "cache_off": {}}
 
@@ -460,7 +460,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rc-bench-engines-") as tmp:
         model = args.model
         if model is None:
-            from workers.tiny_model import build_tiny
+            from rollcall.workers.tiny_model import build_tiny
 
             model = build_tiny(Path(tmp) / "tiny", heads=2)
             progress(f"built the tiny model in {model}")

@@ -10,7 +10,8 @@ CONFIG ray.address=HEAD ...`` on a pseudo-terminal (what an operator's terminal 
 panel included), and the operators' commands (``rollcall job scale``, ``rollcall node drain``,
 ``rollcall drill kill-node``, ``rollcall status``, ``rollcall job stop``). Ray's health checks
 are Ray's defaults: a machine that stops answering is marked dead only when they fail.
-``RAY_AUTH_MODE=disabled`` for every process (``ops/deploy/ray-start.md``, section 3).
+Ray's token authentication for every process, one token for the cluster in a file
+(``ops/deploy/ray-start.md``, section 3).
 
 The job is the torch-free timing model (``ops/bench/pipeline.py``: timing engine and trainer,
 one ``longtail`` task), so a rollout node starts in about a second and what is measured is the
@@ -80,10 +81,11 @@ import sqlalchemy as sa
 import yaml
 
 from ops.bench.pipeline import Setup, config_for
-from orchestrator.buffer.invariants import check_invariants
-from orchestrator.db.engine import Database, open_database
-from orchestrator.services.drills import RayNodeWatch, find_ray_node
-from orchestrator.services.nodes import ray_nodes
+from rollcall.orchestrator import rayauth
+from rollcall.orchestrator.buffer.invariants import check_invariants
+from rollcall.orchestrator.db.engine import Database, open_database
+from rollcall.orchestrator.services.nodeloss import RayNodeWatch, find_ray_node
+from rollcall.orchestrator.services.nodes import ray_nodes
 
 BIN = Path(sys.executable).parent
 JOB = "fleet"
@@ -337,8 +339,10 @@ class Run:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+        token = rayauth.ensure_token(root / "ray_token")
         env.update(
-            RAY_AUTH_MODE="disabled",
+            RAY_AUTH_MODE="token",
+            RAY_AUTH_TOKEN_PATH=str(token),
             RAY_worker_niceness="0",  # as ops/deploy/ray-start.md section 4
             ROLLCALL_HOME=str(self.home),
             TERM="xterm-256color",
@@ -349,7 +353,9 @@ class Run:
         env.pop("ROLLCALL_DATABASE_URL", None)
         env.pop("ROLLCALL_JOB", None)
         self.env = env
-        os.environ["RAY_AUTH_MODE"] = "disabled"  # this process's GCS client (node table)
+        # this process's GCS client (node table)
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+        rayauth.configure_client()
         self.head: Machine | None = None
         self.machines: dict[str, Machine] = {}
         self.started: list[Machine] = []  # every `ray start`, failed ones included

@@ -12,8 +12,8 @@ trained samples and wall time, one table per run. The second first runs the conf
 Given one async and one sync run, it also compares them at equal trained samples: the most
 samples both reached at an evaluation, each run's held-out reward there with its 95% interval,
 the paired difference async - sync over the same held-out prompts (evaluation plays the same
-prompts with the same per-prompt sampling seeds in every run, ``workers.evaluation``) with its
-interval, and the wall time each took to get there. The last line printed is one JSON object.
+prompts with the same per-prompt sampling seeds in every run, ``rollcall.workers.evaluation``) with
+its interval, and the wall time each took to get there. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from orchestrator.evalstats import Interval, mean_interval, paired_gain
+from rollcall.orchestrator.evalstats import Interval, mean_interval, paired_gain
 
 
 def curve(run_dir: Path) -> dict[str, Any]:
@@ -116,7 +116,7 @@ def run_pair(config: Path, steps: int, sync_steps: int | None, overrides: list[s
     """Run ``config`` in async then in sync mode (in ``ROLLCALL_HOME``), each with the
     ``key=value`` ``overrides``; their run directories."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    rollcall = [sys.executable, "-m", "orchestrator.cli"]  # this interpreter's rollcall
+    rollcall = [sys.executable, "-m", "rollcall.orchestrator.cli"]  # this interpreter's rollcall
     subprocess.run([*rollcall, "db", "upgrade"], check=True)
     dirs = []
     for mode, n in (("async", steps), ("sync", sync_steps or steps)):

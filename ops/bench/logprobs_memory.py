@@ -27,8 +27,8 @@ def measure(tokens: int, chunk: int) -> str:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from workers.trainer.forward import token_logprobs
-    from workers.trainer.packing import pack
+    from rollcall.workers.trainer.forward import token_logprobs
+    from rollcall.workers.trainer.packing import pack
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

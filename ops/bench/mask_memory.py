@@ -39,7 +39,7 @@ def measure(kind: str, dtype_name: str, tokens: int, layers: int) -> str:
     import torch
     import torch.nn.functional as F
 
-    from workers.trainer.packing import pack
+    from rollcall.workers.trainer.packing import pack
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

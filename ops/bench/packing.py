@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from workers.trainer.packing import first_fit_decreasing, padded_slots
+from rollcall.workers.trainer.packing import first_fit_decreasing, padded_slots
 
 MIN_TOKENS, MAX_TOKENS = 800, 12_000
 
@@ -63,8 +63,8 @@ def fwd_bwd_times(
 ) -> dict[str, float]:
     import torch
 
-    from workers.trainer.forward import token_logprobs
-    from workers.trainer.packing import pack
+    from rollcall.workers.trainer.forward import token_logprobs
+    from rollcall.workers.trainer.packing import pack
 
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -131,7 +131,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from workers.tiny_model import build_tiny
+    from rollcall.workers.tiny_model import build_tiny
 
     model_dir = args.model or build_tiny(Path(tempfile.mkdtemp(prefix="rollcall-bench-")))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

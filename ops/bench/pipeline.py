@@ -54,10 +54,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from ops.bench.pipeline_bounds import Bounds, Sample, compute_bounds, mode_bound
 from ops.bench.pipeline_costs import Monitor, Snap, control_plane, window_costs
-from orchestrator.config import RollcallConfig, TimingEngineConfig, TimingTrainerConfig
-from orchestrator.runner.rundir import RunDir
-from tasks.longtail import LongtailSpec, LongtailTask
-from workers.trainer.timing import step_seconds
+from rollcall.orchestrator import rayauth
+from rollcall.orchestrator.config import RollcallConfig, TimingEngineConfig, TimingTrainerConfig
+from rollcall.orchestrator.runner.rundir import RunDir
+from rollcall.tasks.longtail import LongtailSpec, LongtailTask
+from rollcall.workers.trainer.timing import step_seconds
 
 # Task profiles (simulated seconds): several kinds of agent work with different tails.
 PROFILES: dict[str, dict[str, Any]] = {
@@ -117,9 +118,9 @@ class Setup:
 def dry_run(setup: Setup, model_dir: Path, per_task: int) -> dict[str, list[Sample]]:
     """Trajectories of every task played by the real agent loop, timing engine and task code,
     with the sleeps recorded instead of slept (batch of one, so no decode slowdown)."""
-    from workers.rollout.agent import AgentLoop, Limits
-    from workers.rollout.engines.timing import TimingEngine
-    from workers.rollout.tools import ToolResult, ToolRunner
+    from rollcall.workers.episode.loop import AgentLoop, Limits
+    from rollcall.workers.episode.tools import ToolResult, ToolRunner
+    from rollcall.workers.rollout.engines.timing import TimingEngine
 
     slept: list[float] = []
 
@@ -128,7 +129,14 @@ def dry_run(setup: Setup, model_dir: Path, per_task: int) -> dict[str, list[Samp
 
     class InProcess(ToolRunner):  # the tool called in this process, no child, no timeout
         def call(
-            self, plugin: Any, spec: Any, prompt: Any, state: Any, name: str, arguments: Any
+            self,
+            plugin: Any,
+            spec: Any,
+            prompt: Any,
+            state: Any,
+            name: str,
+            arguments: Any,
+            network: bool = False,
         ) -> ToolResult:
             obs = plugin.call_tool(spec, prompt, state, name, arguments)
             return ToolResult(obs.text, obs.state, obs.done, False)
@@ -218,8 +226,8 @@ def config_for(setup: Setup, name: str, url: str, run_dir: Path) -> RollcallConf
 def run_job(setup: Setup, url: str, home: Path, model_dir: Path, name: str) -> dict[str, Any]:
     from rich.console import Console
 
-    from orchestrator.db.engine import open_database
-    from orchestrator.runner.driver import JobDriver
+    from rollcall.orchestrator.db.engine import open_database
+    from rollcall.orchestrator.runner.driver import JobDriver
 
     run_dir = home / "runs" / name
     cfg = config_for(setup, name, url, run_dir)
@@ -240,14 +248,14 @@ def run_job(setup: Setup, url: str, home: Path, model_dir: Path, name: str) -> d
             stop_nodes()
 
         driver._stop_nodes = snap_then_stop  # type: ignore[method-assign]
-        commit_step = driver.buffer.commit_step
+        commit_step = driver.trainer_buffer.commit_step
 
         def commit_then_mark(step: int, **kw: Any) -> Any:
             out = commit_step(step, **kw)
             monitor.committed(step + 1)
             return out
 
-        driver.buffer.commit_step = commit_then_mark  # type: ignore[method-assign]
+        driver.trainer_buffer.commit_step = commit_then_mark  # type: ignore[method-assign]
         monitor.start()
         result = driver.run()
         monitor.done.set()
@@ -356,9 +364,9 @@ def load_average() -> list[float]:
 
 
 def start_database(home: Path) -> str:
-    from orchestrator.db import migrate
-    from orchestrator.db.embedded import EmbeddedPostgres
-    from orchestrator.db.engine import open_database
+    from rollcall.orchestrator.db import migrate
+    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
+    from rollcall.orchestrator.db.engine import open_database
 
     url = EmbeddedPostgres(home).ensure_running()
     db = open_database(url, verify_schema=False)
@@ -371,7 +379,7 @@ def start_database(home: Path) -> str:
 
 def tokenizer_dir(home: Path) -> Path:
     """The tiny model's tokenizer only (the timing engine loads nothing else)."""
-    from workers.tiny_model import build_tokenizer
+    from rollcall.workers.tiny_model import build_tokenizer
 
     out = home / "tokenizer"
     if not (out / "tokenizer.json").exists():
@@ -477,7 +485,7 @@ def main() -> None:
         args.dry = min(args.dry, 60)
     parallel = not args.sequential_groups
     home = args.home or Path(tempfile.mkdtemp(prefix="rc-bench-", dir="/tmp"))
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    rayauth.configure_local()  # token authentication, as a job's local Ray
     try:
         url = start_database(home)
         model_dir = tokenizer_dir(home)
@@ -545,7 +553,7 @@ def _q(xs: list[float] | list[int]) -> dict[str, float]:
 
 
 def stop_database(home: Path) -> None:
-    from orchestrator.db.embedded import EmbeddedPostgres
+    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
 
     with contextlib.suppress(Exception):
         EmbeddedPostgres(home).stop()

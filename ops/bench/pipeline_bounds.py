@@ -85,7 +85,7 @@ def compute_bounds(
         rollouts.append(spans[b - 1] * waves if len(spans) >= b else spans[-1] * waves)
     sync_rollout = statistics.mean(rollouts)
     t = setup.trainer_config()
-    from workers.trainer.timing import step_seconds
+    from rollcall.workers.trainer.timing import step_seconds
 
     train = (
         step_seconds(t, round(tokens * b * g)) + t.checkpoint_s + t.publish_s

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator import procfs
-from orchestrator.buffer import timings
+from rollcall.orchestrator import procfs
+from rollcall.orchestrator.buffer import timings
 
 if TYPE_CHECKING:
     from ops.bench.pipeline import Setup
@@ -80,7 +80,7 @@ class Monitor(threading.Thread):
         self.driver_ops_at: dict[int, dict[str, Any]] = {}  # version -> at its commit
 
     def committed(self, version: int) -> None:
-        self.driver_ops_at[version] = self.driver.buffer.timings.snapshot()
+        self.driver_ops_at[version] = self.driver.control_buffer.timings.snapshot()
 
     def snap(self) -> Snap | None:
         import ray
@@ -90,7 +90,7 @@ class Monitor(threading.Thread):
             return None
         step = int(self.driver.step)
         try:
-            reports = ray.get([a.report.remote() for a in sup.actors], timeout=10)
+            reports = ray.get([a.report.remote() for a in sup.book.actors], timeout=10)
         except Exception:
             return None
         if not reports:  # the nodes are stopping (the job's end) or restarting
@@ -100,7 +100,7 @@ class Monitor(threading.Thread):
             wal = wal_position(self.driver.db)
         except Exception:  # the database is busy or going away: no snapshot this time
             return None
-        driver_ops = self.driver_ops_at.get(step) or self.driver.buffer.timings.snapshot()
+        driver_ops = self.driver_ops_at.get(step) or self.driver.control_buffer.timings.snapshot()
         return Snap(
             time.monotonic(), step, reports, driver_ops, pg_cpu, pg_procs, time.process_time(),
             wal, machine_jiffies(),

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def rollcall() -> list[str]:
     exe = Path(sys.executable).with_name("rollcall")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "orchestrator.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "rollcall.orchestrator.cli"]
 
 
 def run_mode(
@@ -116,7 +116,6 @@ def main() -> None:
     args = ap.parse_args()
     home = args.home or Path(tempfile.mkdtemp(prefix="rc-realmodel-", dir="/tmp"))
     home.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     load_start = [round(x, 2) for x in os.getloadavg()]
     try:
         model = args.model.resolve() if args.model is not None else None

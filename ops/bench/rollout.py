@@ -27,12 +27,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tasks.guess import GuessSpec, GuessTask
-from workers.rollout.agent import AgentLoop, Limits
-from workers.rollout.engines.base import GenerationRequest
-from workers.rollout.engines.batching import BatchingEngine
-from workers.rollout.engines.hf import HFEngine
-from workers.rollout.tools import ToolRunner
+from rollcall.tasks.guess import GuessSpec, GuessTask
+from rollcall.workers.episode.engine import GenerationRequest
+from rollcall.workers.episode.loop import AgentLoop, Limits
+from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.rollout.engines.batching import BatchingEngine
+from rollcall.workers.rollout.engines.hf import HFEngine
 
 
 def run_loops(hf: HFEngine, loops: int, turns: int, tokens_per_turn: int) -> dict[str, float]:
@@ -115,7 +115,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rc-bench-model-") as tmp:
         model = args.model
         if model is None:
-            from workers.tiny_model import build_tiny
+            from rollcall.workers.tiny_model import build_tiny
 
             model = build_tiny(Path(tmp) / "tiny")
         hf = HFEngine(model)

@@ -1,8 +1,9 @@
 """Peak memory and time of one trainer step on SmolLM2-135M-Instruct, by micro-batch size.
 
-The real trainer rank (``workers.trainer.rank.TrainerRank``: FSDP2 over one CPU process, the
-chunked log-probs of ``workers.trainer.forward``, the GRPO loss, gradient clipping, AdamW) runs
-one step of one packed micro-batch of ``--tokens`` tokens (sequences of 512-1,536 tokens, at
+The real trainer rank (``rollcall.workers.trainer.rank.TrainerRank``: FSDP2 over one CPU process,
+the
+chunked log-probs of ``rollcall.workers.trainer.forward``, the GRPO loss, gradient clipping, AdamW)
+runs one step of one packed micro-batch of ``--tokens`` tokens (sequences of 512-1,536 tokens, at
 most the model's 8,192 positions), in two set-ups:
 
 - ``before``: float32, whole-row log-probs (``trainer.logprob_chunk_tokens 0``), no activation
@@ -74,9 +75,9 @@ def measure(
     import numpy as np
     import torch
 
-    from orchestrator.algorithms import LossConfig
-    from workers.trainer.batch import TrainSequence
-    from workers.trainer.rank import RankSettings, TrainerRank
+    from rollcall.orchestrator.algorithms import LossConfig
+    from rollcall.workers.trainer.batch import TrainSequence
+    from rollcall.workers.trainer.rank import RankSettings, TrainerRank
 
     settings = RankSettings(
         model_dir=model_dir,
@@ -180,7 +181,7 @@ def main() -> None:
     tmp = None
     model = args.model
     if model is None:
-        from workers.realmodel import import_smollm2
+        from rollcall.workers.realmodel import import_smollm2
 
         tmp = Path(tempfile.mkdtemp(prefix="smollm2-"))
         model = import_smollm2(tmp / "smollm2-135m", log=print)

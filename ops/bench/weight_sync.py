@@ -2,8 +2,8 @@
 size, compared with the raw copy bound of the transport.
 
 The transport is rollcall's: safetensors files in a shared folder. The trainer publishes a
-version with ``workers.trainer.weights.publish`` (written aside, renamed into place, the last
-few kept); each rollout node loads it as the ``hf`` engine does (``load_weights``: the file's
+version with ``rollcall.workers.weights.publish`` (written aside, renamed into place, the
+last few kept); each rollout node loads it as the ``hf`` engine does (``load_weights``: the file's
 bytes read straight into the model's parameters, ``weights.load_into``; the previous loader,
 ``load_file`` then ``load_state_dict``, is timed too). Here the state dicts are synthetic
 (bf16 tensors of 4M parameters each, 10M to 500M parameters), the nodes are Ray actors that
@@ -43,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from rollcall.orchestrator import rayauth
 
 TENSOR_PARAMS = 4 * 1024 * 1024  # 4M parameters per tensor (a 2048 x 2048 matrix)
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -97,7 +99,7 @@ class Node:
 
     def load(self, location: str) -> float:
         """``HFEngine.load_weights``: the file read straight into the parameters."""
-        from workers.trainer.weights import load_into
+        from rollcall.workers.weights import load_into
 
         t0 = time.perf_counter()
         load_into(self.model, location)
@@ -132,8 +134,8 @@ class Node:
     def receive(self, offer: dict[str, Any]) -> float:
         """The collective transport's node side: the version received whole, then copied
         into the parameters (``HFEngine.load_state``)."""
-        from workers import collective
-        from workers.trainer.weights import copy_into
+        from rollcall.workers import collective
+        from rollcall.workers.weights import copy_into
 
         t0 = time.perf_counter()
         state = collective.receive(collective.Offer.from_json(offer), address="127.0.0.1")
@@ -157,7 +159,7 @@ def raw_write(sd: dict[str, Any], path: Path) -> float:
 def measure(params: int, nodes: int, repeats: int, root: Path) -> dict[str, Any]:
     import ray
 
-    from workers.trainer.weights import publish
+    from rollcall.workers.weights import publish
 
     sd = state_dict(params)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
@@ -220,7 +222,7 @@ def measure_collective(
 ) -> dict[str, Any]:
     import ray
 
-    from workers import collective
+    from rollcall.workers import collective
 
     sd = state_dict(params)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
@@ -268,9 +270,9 @@ def measure_collective(
 def main_collective(args: Any) -> None:
     import ray
 
-    from workers import collective
+    from rollcall.workers import collective
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    rayauth.configure_local()  # token authentication, as a job's local Ray
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     rendezvous = collective.Rendezvous("127.0.0.1")
     epoch = [0]
@@ -311,7 +313,7 @@ def main() -> None:
 
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    rayauth.configure_local()  # token authentication, as a job's local Ray
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     root = Path(tempfile.mkdtemp(prefix="rc-wsync-", dir=args.dir or "/tmp"))
     rows = []

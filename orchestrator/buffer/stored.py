@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from orchestrator.domain import TrajectoryPayload
+from rollcall.orchestrator.domain import TrajectoryPayload
 
 # (episode id, lease epoch, sample index)
 Key = tuple[int, int, int]

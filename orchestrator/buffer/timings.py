@@ -1,7 +1,7 @@
 """What the control plane costs the process that calls it: wall and CPU time per buffer
 operation.
 
-Every public ``Buffer`` operation is ``@timed``: its calls, wall seconds (retries included)
+Every public buffer operation is ``@timed``: its calls, wall seconds (retries included)
 and the calling thread's CPU seconds (``time.thread_time``: the client's own work, not the
 database server's) add up in the buffer's ``OpTimings``, with a latency histogram of fixed
 log-spaced buckets. Counters only grow, so two snapshots subtract into the figures of the

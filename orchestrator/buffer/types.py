@@ -1,7 +1,7 @@
 """Values that cross the buffer's boundary: leases, claims, commit results and batches.
 
 The values the database layer also returns (``TrajectoryPayload``, ``SampleState``,
-``BatchGroup``, ``BatchTrajectory``) live in ``orchestrator.domain``.
+``BatchGroup``, ``BatchTrajectory``) live in ``rollcall.orchestrator.domain``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.domain import BatchGroup, SampleState
+from rollcall.orchestrator.domain import BatchGroup, SampleState
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Batch:
     task_mix: dict[str, Any]  # per task: groups, target share, carry, shortfall
     replayed: bool  # the same batch as an earlier, uncommitted claim for this step
     expired_groups: dict[str, int]  # per task: groups expired (stale) while claiming
-    prefetched_groups: int = 0  # groups whose samples were read ahead (Buffer.prefetch_groups)
+    prefetched_groups: int = 0  # groups read ahead (TrainerBuffer.prefetch_groups)
     shortfall: int = 0  # an empty batch (min_groups not met): how many groups it lacked
 
     @property

@@ -13,18 +13,19 @@ from typing import Annotated
 
 import typer
 
-from orchestrator import __version__
-from orchestrator.cli import db as db_cmd
-from orchestrator.cli import drill as drill_cmd
-from orchestrator.cli import job as job_cmd
-from orchestrator.cli import model as model_cmd
-from orchestrator.cli import node as node_cmd
-from orchestrator.cli import quickstart as quickstart_cmd
-from orchestrator.cli import rollout as rollout_cmd
-from orchestrator.cli import run as run_cmd
-from orchestrator.cli import status as status_cmd
-from orchestrator.cli import task as task_cmd
-from orchestrator.cli.common import GlobalOptions
+from rollcall.orchestrator import __version__
+from rollcall.orchestrator.cli import db as db_cmd
+from rollcall.orchestrator.cli import drill as drill_cmd
+from rollcall.orchestrator.cli import job as job_cmd
+from rollcall.orchestrator.cli import model as model_cmd
+from rollcall.orchestrator.cli import node as node_cmd
+from rollcall.orchestrator.cli import quickstart as quickstart_cmd
+from rollcall.orchestrator.cli import rollout as rollout_cmd
+from rollcall.orchestrator.cli import run as run_cmd
+from rollcall.orchestrator.cli import status as status_cmd
+from rollcall.orchestrator.cli import task as task_cmd
+from rollcall.orchestrator.cli.common import GlobalOptions
+from rollcall.orchestrator.errors import UserError
 
 app = typer.Typer(
     name="rollcall",
@@ -94,14 +95,13 @@ def _root(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from orchestrator.errors import UserError
 
     try:
         app(args=argv, prog_name="rollcall")
     except UserError as e:
         from rich.markup import escape
 
-        from orchestrator.cli.common import err_console
+        from rollcall.orchestrator.cli.common import err_console
 
         err_console().print(f"[bold red]error:[/] {escape(str(e))}", markup=True)
         sys.exit(e.exit_code)

@@ -1,3 +1,3 @@
-from orchestrator.cli import main
+from rollcall.orchestrator.cli import main
 
 main()

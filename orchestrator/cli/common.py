@@ -13,7 +13,7 @@ import typer
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from orchestrator.db.engine import Database
+    from rollcall.orchestrator.db.engine import Database
 
 
 @dataclass
@@ -26,7 +26,7 @@ class GlobalOptions:
         """``database.url`` of the ``--config`` file, if one was given and sets it."""
         if self.config is None:
             return None
-        from orchestrator.config import load_config
+        from rollcall.orchestrator.config import load_config
 
         url = load_config(self.config).database.url
         return url.get_secret_value() if url is not None else None
@@ -38,7 +38,7 @@ def options(ctx: typer.Context) -> GlobalOptions:
 
 
 def open_db(ctx: typer.Context, *, verify_schema: bool = True) -> Database:
-    from orchestrator.db.engine import open_database
+    from rollcall.orchestrator.db.engine import open_database
 
     opts = options(ctx)
     return open_database(
@@ -114,6 +114,6 @@ def print_json(data: Any) -> None:
 
 
 def actor() -> str:
-    from orchestrator.services.jobs import operator_actor
+    from rollcall.orchestrator.services.jobs import operator_actor
 
     return operator_actor()

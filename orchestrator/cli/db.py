@@ -6,7 +6,16 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.cli.common import actor, console, err_console, open_db, options, print_json
+from rollcall.orchestrator.cli.common import (
+    actor,
+    console,
+    err_console,
+    open_db,
+    options,
+    print_json,
+)
+from rollcall.orchestrator.errors import ConflictError, SchemaError, UserError
+from rollcall.orchestrator.settings import resolve_database
 
 app = typer.Typer(help="Database schema and the embedded PostgreSQL.", no_args_is_help=True)
 
@@ -15,7 +24,7 @@ app = typer.Typer(help="Database schema and the embedded PostgreSQL.", no_args_i
 def upgrade(ctx: typer.Context) -> None:
     """Migrate the schema to the head revision (the only command that runs DDL on an external
     database; quickstart and run also migrate the embedded one)."""
-    from orchestrator.db import migrate
+    from rollcall.orchestrator.db import migrate
 
     db = open_db(ctx, verify_schema=False)
     try:
@@ -48,7 +57,7 @@ def current(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show the schema revision of the database and the head this rollcall expects."""
-    from orchestrator.db import migrate
+    from rollcall.orchestrator.db import migrate
 
     db = open_db(ctx, verify_schema=False)
     try:
@@ -73,8 +82,7 @@ def current(
 @app.command()
 def check(ctx: typer.Context) -> None:
     """Exit non-zero when the schema is behind head or differs from the models."""
-    from orchestrator.db import migrate
-    from orchestrator.errors import SchemaError
+    from rollcall.orchestrator.db import migrate
 
     db = open_db(ctx, verify_schema=False)
     try:
@@ -101,8 +109,7 @@ def status(
 ) -> None:
     """Where the database is and, when embedded, whether its server is running (and its
     pid)."""
-    from orchestrator.db.embedded import EmbeddedPostgres
-    from orchestrator.settings import resolve_database
+    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
 
     opts = options(ctx)
     target = resolve_database(opts.database_url, opts.config_database_url(), opts.home)
@@ -126,9 +133,7 @@ def stop(
 ) -> None:
     """Stop the embedded PostgreSQL server (it starts again on next use). Refused while a job
     runs on it, unless --yes."""
-    from orchestrator.db.embedded import EmbeddedPostgres
-    from orchestrator.errors import UserError
-    from orchestrator.settings import resolve_database
+    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
 
     opts = options(ctx)
     target = resolve_database(opts.database_url, opts.config_database_url(), opts.home)
@@ -148,8 +153,7 @@ def stop(
 
 def _refuse_while_jobs_run(url: str) -> None:
     """``db stop`` under a running job would stop the job's database: refuse, naming it."""
-    from orchestrator.db.engine import open_database
-    from orchestrator.errors import ConflictError
+    from rollcall.orchestrator.db.engine import open_database
 
     db = open_database(url, verify_schema=False)
     try:

@@ -6,10 +6,18 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from orchestrator.cli.common import col, compact_table, console, one_line, open_db, print_json
+from rollcall.orchestrator.cli.common import (
+    col,
+    compact_table,
+    console,
+    one_line,
+    open_db,
+    print_json,
+)
+from rollcall.orchestrator.errors import UserError
 
 if TYPE_CHECKING:
-    from orchestrator.services.drills import DrillReport
+    from rollcall.orchestrator.services.drills import DrillReport
 
 app = typer.Typer(
     help="Inject a fault into a running job, wait for recovery, report what was lost (0).",
@@ -32,14 +40,12 @@ def _confirm(what: str, yes: bool) -> None:
     """Drills are destructive (they kill or stop the job's processes): refused without
     ``--yes``, before anything is opened or touched."""
     if not yes:
-        from orchestrator.errors import UserError
-
         raise UserError(f"`drill {what}` {_EFFECT[what]} of the running job; pass --yes to confirm")
 
 
 def _check_numbers(timeout: float, count: int | None = None) -> None:
     """--timeout and --count within their bounds, before anything is opened or touched."""
-    from orchestrator import bounds
+    from rollcall.orchestrator import bounds
 
     bounds.SECONDS.check("--timeout", timeout)
     bounds.DRILL_COUNT.check("--count", count)
@@ -120,8 +126,7 @@ def kill_rollout(
     yes: YesOpt = False,
 ) -> None:
     """Kill (or hang) the busiest rollout nodes of a running job."""
-    from orchestrator.errors import UserError
-    from orchestrator.services.drills import Drills
+    from rollcall.orchestrator.services.drills import Drills
 
     _confirm("kill-rollout", yes)
     _check_numbers(timeout, count)
@@ -150,8 +155,7 @@ def kill_engine(
 ) -> None:
     """Kill (or hang) the vLLM EngineCore process of the busiest rollout nodes, leaving their
     Ray actors alive (nodes with the vllm engine, on this host)."""
-    from orchestrator.errors import UserError
-    from orchestrator.services.drills import Drills
+    from rollcall.orchestrator.services.drills import Drills
 
     _confirm("kill-engine", yes)
     _check_numbers(timeout, count)
@@ -175,7 +179,7 @@ def kill_trainer(
     yes: YesOpt = False,
 ) -> None:
     """SIGKILL trainer rank 0; recovery is the next step committed by a restarted trainer."""
-    from orchestrator.services.drills import Drills
+    from rollcall.orchestrator.services.drills import Drills
 
     _confirm("kill-trainer", yes)
     _check_numbers(timeout)
@@ -196,9 +200,8 @@ def restart_db(
     yes: YesOpt = False,
 ) -> None:
     """Restart the embedded PostgreSQL under a running job; nobody may be declared dead."""
-    from orchestrator.db.embedded import EmbeddedPostgres
-    from orchestrator.errors import UserError
-    from orchestrator.services.drills import Drills
+    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
+    from rollcall.orchestrator.services.drills import Drills
 
     _confirm("restart-db", yes)
     _check_numbers(timeout)
@@ -235,7 +238,7 @@ def kill_node(
 ) -> None:
     """Lose a whole Ray worker node (SIGKILL its raylet, agents and workers, on this host);
     recovery is every rollout node it hosted serving the current version again elsewhere."""
-    from orchestrator.services.drills import Drills
+    from rollcall.orchestrator.services.drills import Drills
 
     _confirm("kill-node", yes)
     _check_numbers(timeout)

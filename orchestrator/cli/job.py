@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from orchestrator.cli.common import (
+from rollcall.orchestrator.cli.common import (
     actor,
     col,
     compact_table,
@@ -15,6 +15,7 @@ from orchestrator.cli.common import (
     open_db,
     print_json,
 )
+from rollcall.orchestrator.errors import ConflictError
 
 app = typer.Typer(
     help="Jobs: long-running training runs that tasks belong to.", no_args_is_help=True
@@ -24,7 +25,7 @@ app = typer.Typer(
 @app.command()
 def create(ctx: typer.Context, name: Annotated[str, typer.Argument(help="Job name.")]) -> None:
     """Create an empty job."""
-    from orchestrator.services.jobs import create_job
+    from rollcall.orchestrator.services.jobs import create_job
 
     db = open_db(ctx)
     try:
@@ -83,7 +84,7 @@ def show(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Show a job, its driver, its tasks and its recent events."""
-    from orchestrator.services.jobs import driver_json, driver_line, require_job
+    from rollcall.orchestrator.services.jobs import driver_json, driver_line, require_job
 
     db = open_db(ctx)
     try:
@@ -135,8 +136,7 @@ def stop(
     the policy; `rollcall run CONFIG --resume` continues it later."""
     import time
 
-    from orchestrator.errors import ConflictError
-    from orchestrator.services.jobs import request_stop, require_job
+    from rollcall.orchestrator.services.jobs import request_stop, require_job
 
     out = console()
     db = open_db(ctx)
@@ -180,7 +180,7 @@ def scale(
     """Grow or shrink a running job's rollout fleet: new nodes start where the Ray cluster has
     room (or wait for it, shown in `rollcall status`); removed ones finish their in-flight
     turns, checkpoint them and give their episodes back first, so nothing generated is lost."""
-    from orchestrator.services.jobs import scale as scale_job
+    from rollcall.orchestrator.services.jobs import scale as scale_job
 
     db = open_db(ctx)
     try:

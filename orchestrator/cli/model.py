@@ -7,7 +7,9 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.cli.common import console, options, print_json
+from rollcall.orchestrator.cli.common import console, options, print_json
+from rollcall.orchestrator.errors import UserError
+from rollcall.orchestrator.settings import rollcall_home
 
 app = typer.Typer(
     help="The tiny local model (built here, no downloads), or a real one imported from a local "
@@ -28,7 +30,7 @@ COPY_BATCH = 32  # drills per step of the copying phase that comes first
 COPY_DRILLS = 8000  # drills the copying phase draws from
 MIX_DRILLS = 4000  # drills mixed into the task phase
 # share of each task's warm-start transcripts that a lazy demonstrator plays (an answer without
-# the tool, workers.warmstart.lazy_transcript): a behaviour for RL to unlearn from reward
+# the tool, rollcall.workers.warmstart.lazy_transcript): a behaviour for RL to unlearn from reward
 LAZY: dict[str, float] = {"calculator": 0.6, "retrieval": 0.6}
 
 
@@ -73,8 +75,7 @@ def init(
     prompts."""
     import time
 
-    from orchestrator import bounds
-    from orchestrator.errors import UserError
+    from rollcall.orchestrator import bounds
 
     bounds.SEED.check("--seed", seed)
     bounds.MODEL_HIDDEN.check("--hidden", hidden)
@@ -86,8 +87,8 @@ def init(
     shares = dict(LAZY) if lazy is None else _lazy_shares(lazy)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out {out} is not empty; choose a new directory")
-    from workers.tiny_model import build_model, build_tokenizer, deterministic_build
-    from workers.warmstart import build_dataset, copy_drills, evaluate_rewards, sft
+    from rollcall.workers.tiny_model import build_model, build_tokenizer, deterministic_build
+    from rollcall.workers.warmstart import build_dataset, copy_drills, evaluate_rewards, sft
 
     say = console()
     t0 = time.monotonic()
@@ -168,8 +169,7 @@ def init(
 
 
 def _lazy_shares(items: list[str]) -> dict[str, float]:
-    from orchestrator.errors import UserError
-    from workers.warmstart import LAZY_TASKS
+    from rollcall.workers.warmstart import LAZY_TASKS
 
     shares: dict[str, float] = {}
     for item in items:
@@ -213,10 +213,8 @@ def import_smollm2(
     finds it; --force imports again."""
     import time
 
-    from orchestrator.errors import UserError
-    from orchestrator.settings import rollcall_home
-    from workers.realmodel import DTYPES, default_dir, imported_dtype
-    from workers.realmodel import import_smollm2 as run_import
+    from rollcall.workers.realmodel import DTYPES, default_dir, imported_dtype
+    from rollcall.workers.realmodel import import_smollm2 as run_import
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")

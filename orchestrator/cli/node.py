@@ -6,7 +6,14 @@ from typing import Annotated, Any
 
 import typer
 
-from orchestrator.cli.common import col, compact_table, console, one_line, open_db, print_json
+from rollcall.orchestrator.cli.common import (
+    col,
+    compact_table,
+    console,
+    one_line,
+    open_db,
+    print_json,
+)
 
 app = typer.Typer(help="The Ray cluster's machines (nodes) under a job.", no_args_is_help=True)
 
@@ -28,8 +35,8 @@ def list_(
 ) -> None:
     """Ray's nodes: alive, draining or dead, their resources and, with --job, the job's
     rollout slots placed on each (what the Ray dashboard would show, without it)."""
-    from orchestrator.services.jobs import require_job
-    from orchestrator.services.nodes import gcs_address, ray_nodes
+    from rollcall.orchestrator.services.jobs import require_job
+    from rollcall.orchestrator.services.nodes import gcs_address, ray_nodes
 
     db = open_db(ctx)
     try:
@@ -40,7 +47,7 @@ def list_(
                 for s in tx.fleet.slots(require_job(tx, job).id):
                     if s["ray_node_id"] and s["state"] in ("starting", "alive", "draining"):
                         slots.setdefault(s["ray_node_id"], []).append(s["name"])
-        nodes = ray_nodes(where)
+        nodes = ray_nodes(where, db.target.home)
     finally:
         db.dispose()
     rows: list[dict[str, Any]] = [
@@ -92,18 +99,21 @@ def drain(
     start where the cluster has room (or wait for it). Ray ends the machine's raylet once it
     is idle. The turns its nodes generated are kept. For rollout machines: a trainer rank on a
     drained machine is not moved (with --deadline-s, it is lost at the deadline)."""
-    from orchestrator.cli.common import actor
-    from orchestrator.services.nodes import drain as drain_node
-    from orchestrator.services.nodes import gcs_address
+    from rollcall.orchestrator.cli.common import actor
+    from rollcall.orchestrator.services.nodes import drain as drain_node
+    from rollcall.orchestrator.services.nodes import gcs_address
 
     db = open_db(ctx)
     try:
         where = gcs_address(db, job, address)
     finally:
         db.dispose()
-    n = drain_node(where, node, deadline_s=deadline_s, reason=f"rollcall node drain by {actor()}")
+    n = drain_node(
+        where, node, deadline_s=deadline_s, reason=f"rollcall node drain by {actor()}",
+        home=db.target.home,
+    )  # fmt: skip
     if job is not None:  # the operator's action, in the job's audit log
-        from orchestrator.services.jobs import require_job
+        from rollcall.orchestrator.services.jobs import require_job
 
         db = open_db(ctx)
         try:

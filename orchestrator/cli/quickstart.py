@@ -13,6 +13,8 @@ from typing import Annotated
 
 import typer
 
+from rollcall.orchestrator.errors import UserError
+
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -44,9 +46,8 @@ def quickstart(
     the shipped tiny model into ROLLCALL_HOME/models/tiny if it is missing, and runs
     configs/quickstart.yaml to the end. A second quickstart runs a new job (quickstart-2, ...)
     unless --resume continues the last one."""
-    from orchestrator.cli.run import report, run_job
-    from orchestrator.config import load_config
-    from orchestrator.errors import UserError
+    from rollcall.orchestrator.cli.run import report, run_job
+    from rollcall.orchestrator.config import load_config
 
     path = config or REPO_CONFIGS / "quickstart.yaml"
     if not path.exists():

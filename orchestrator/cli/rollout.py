@@ -7,7 +7,9 @@ from typing import Annotated, Any
 
 import typer
 
-from orchestrator.cli.common import console, print_json
+from rollcall.orchestrator.cli.common import console, print_json
+from rollcall.orchestrator.errors import UserError
+from rollcall.orchestrator.settings import rollcall_home
 
 app = typer.Typer(help="Rollouts outside a job.", no_args_is_help=True)
 
@@ -36,11 +38,9 @@ def _turns(tokenizer: Any, t: Any) -> list[dict[str, Any]]:
 def _model_dir(ctx: typer.Context, model: str) -> Path:
     """``--model``: a built-in model's folder (put in place on first use, as a job would), or
     the folder given."""
-    from orchestrator.cli.common import err_console, options
-    from orchestrator.cli.run import builtin_model
-    from orchestrator.config import BUILTIN_MODELS
-    from orchestrator.errors import UserError
-    from orchestrator.settings import rollcall_home
+    from rollcall.orchestrator.cli.common import err_console, options
+    from rollcall.orchestrator.cli.run import builtin_model
+    from rollcall.orchestrator.config import BUILTIN_MODELS
 
     if model in BUILTIN_MODELS:
         return builtin_model(model, rollcall_home(options(ctx).home), err_console())
@@ -82,11 +82,10 @@ def preview(
 
     No job and no database: each turn's generated text (trained on), the tool observations
     (not trained on), the answer and the reward."""
-    from orchestrator import bounds
-    from orchestrator.config import read_yaml_mapping
-    from orchestrator.errors import UserError
-    from orchestrator.services.tasks import resolve_plugin, validate_spec
-    from tasks import registry
+    from rollcall.orchestrator import bounds
+    from rollcall.orchestrator.config import read_yaml_mapping
+    from rollcall.orchestrator.services.tasks import resolve_plugin, validate_spec
+    from rollcall.tasks import registry
 
     bounds.PREVIEW_EPISODES.check("-n", n)
     bounds.TEMPERATURE.check("--temperature", temperature)
@@ -99,14 +98,13 @@ def preview(
     )
     task_spec = plugin.Spec.model_validate(spec_data)
 
-    from tasks.agent import AgentSpec
-    from workers.agents.runtime import AgentRun
-    from workers.rollout.agent import AgentLoop, Limits
-    from workers.rollout.chat import Chat, ChatTemplateError
-    from workers.rollout.engines.hf import HFEngine
-    from workers.rollout.toolcalls import FORMATS
-    from workers.rollout.tools import ToolRunner
-    from workers.rollout.usercode import UserCodeError
+    from rollcall.workers.episode.chat import Chat, ChatTemplateError
+    from rollcall.workers.episode.loop import Limits
+    from rollcall.workers.episode.play import player
+    from rollcall.workers.episode.toolcalls import FORMATS
+    from rollcall.workers.episode.tools import ToolRunner
+    from rollcall.workers.episode.usercode import UserCodeError
+    from rollcall.workers.rollout.engines.hf import HFEngine
 
     if tool_format != "auto" and tool_format not in FORMATS:
         raise UserError(
@@ -127,12 +125,7 @@ def preview(
         for i in range(n):
             prompt = plugin.eval_prompt(task_spec, i) if held_out else plugin.prompt(task_spec, i)
             try:
-                if isinstance(task_spec, AgentSpec):  # the user's own agent function
-                    outcome = AgentRun(engine, chat, task_spec, prompt, runner, limits).run()
-                else:
-                    outcome = AgentLoop(
-                        engine, engine.tokenizer, plugin, task_spec, prompt, runner, limits, chat
-                    ).run()
+                outcome = player(engine, chat, plugin, task_spec, prompt, runner, limits).run()
             except UserCodeError as e:  # the task's code failed on this prompt: shown, go on
                 episodes.append({"prompt": prompt, **e.payload()})
                 continue

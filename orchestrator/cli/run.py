@@ -7,14 +7,18 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from orchestrator.cli.common import actor, console, options, print_json
+from rollcall.orchestrator.cli.common import actor, console, options, print_json
+from rollcall.orchestrator.errors import UserError
+from rollcall.orchestrator.evalstats import gains
+from rollcall.orchestrator.folders import replace_folder
+from rollcall.orchestrator.settings import rollcall_home
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from orchestrator.config import RollcallConfig
-    from orchestrator.db.engine import Database
-    from orchestrator.runner.driver import RunResult
+    from rollcall.orchestrator.config import RollcallConfig
+    from rollcall.orchestrator.db.engine import Database
+    from rollcall.orchestrator.runner.driver import RunResult
 
 
 def run(
@@ -42,7 +46,7 @@ def run(
     last committed step; a job another driver is running is refused (one driver per job). The
     run directory (run.dir, default ROLLCALL_HOME/runs/JOB) holds config.yaml, metrics.jsonl,
     learning_curve.png, weights/, checkpoints/, final/ and driver.log."""
-    from orchestrator.config import load_config
+    from rollcall.orchestrator.config import load_config
 
     cfg = load_config(config, overrides or [])
     result = run_job(ctx, cfg, resume=resume, live=live, upgrade_schema="embedded")
@@ -59,9 +63,8 @@ def run_job(
     out: Console | None = None,
     fresh_name: bool = False,
 ) -> RunResult:
-    from orchestrator.db.engine import open_database
-    from orchestrator.runner.driver import JobDriver
-    from orchestrator.settings import rollcall_home
+    from rollcall.orchestrator.db.engine import open_database
+    from rollcall.orchestrator.runner.driver import JobDriver
 
     opts = options(ctx)
     out = out or console()
@@ -104,7 +107,7 @@ def prepare_schema(db: Database, out: Console, *, upgrade: bool) -> None:
     """Migrate the database to head where ``upgrade`` (the quickstart's database, and the
     embedded one: this machine's own), then refuse one not at head: an external database is
     migrated by its operator (``rollcall db upgrade``), never by a job as a side effect."""
-    from orchestrator.db import migrate
+    from rollcall.orchestrator.db import migrate
 
     if upgrade:
         with db.engine.connect() as conn:
@@ -139,7 +142,6 @@ def resolve_model(cfg: RollcallConfig, home: Path, out: Console) -> Path:
     """The configured model folder, or the built-in model ``model.builtin``: the tiny local
     model (when missing, the shipped build is copied in, or where this installation has none,
     it is built) or SmolLM2-135M-Instruct (imported when missing)."""
-    from orchestrator.errors import UserError
 
     if cfg.model.path is not None:
         path = Path(cfg.model.path).expanduser()
@@ -156,7 +158,7 @@ def builtin_model(name: str, home: Path, out: Console) -> Path:
     """The folder of the built-in model ``name`` (``tiny`` or ``smollm2-135m``) in
     ``home/models``, put there on first use."""
     if name == "smollm2-135m":
-        from workers.realmodel import default_dir, import_smollm2, imported_dtype
+        from rollcall.workers.realmodel import default_dir, import_smollm2, imported_dtype
 
         path = default_dir(home)
         if imported_dtype(path) is None:
@@ -165,16 +167,15 @@ def builtin_model(name: str, home: Path, out: Console) -> Path:
         return path
     path = home / "models" / "tiny"
     if not (path / "config.json").exists():
-        from workers.tiny_model import install_shipped, shipped_build
+        from rollcall.workers.tiny_model import install_shipped, shipped_build
 
         if shipped_build() is not None:  # the build `rollcall model init` makes, shipped
             install_shipped(path)
             out.print(f"tiny model: the shipped build, copied to {path}", markup=False)
             return path
-        from orchestrator.cli.model import init
+        from rollcall.orchestrator.cli.model import init
 
         out.print(f"building the tiny model in {path} (once; a few minutes)", markup=False)
-        from orchestrator.folders import replace_folder
 
         # exactly `rollcall model init --out DIR` with its defaults
         replace_folder(path, lambda tmp: init(out=tmp))
@@ -183,12 +184,11 @@ def builtin_model(name: str, home: Path, out: Console) -> Path:
 
 def check_chat(cfg: RollcallConfig, model_dir: Path) -> None:
     """Refuse, before anything starts, a model whose chat template or tool-call format the
-    agent loop cannot use (``workers.rollout.chat.Chat`` checks prefix stability)."""
+    agent loop cannot use (``rollcall.workers.episode.chat.Chat`` checks prefix stability)."""
     from transformers import AutoTokenizer
 
-    from orchestrator.config import read_chat_template
-    from orchestrator.errors import UserError
-    from workers.rollout.chat import Chat, ChatTemplateError
+    from rollcall.orchestrator.config import read_chat_template
+    from rollcall.workers.episode.chat import Chat, ChatTemplateError
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     try:
@@ -237,7 +237,6 @@ def summary_lines(result: RunResult) -> list[str]:
     """The final summary: per task the held-out reward at the first and the last evaluation,
     the paired gain with its 95% interval, the samples trained and the time (at most 80
     columns)."""
-    from orchestrator.evalstats import gains
 
     rows = gains(result.evals)
     if not rows:

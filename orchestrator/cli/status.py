@@ -1,6 +1,6 @@
 """``rollcall status``, ``worker list``, ``buffer stats``, ``events``: a running job at a glance.
 
-All four read the database only (``orchestrator.services.status``), so they work from any
+All four read the database only (``rollcall.orchestrator.services.status``), so they work from any
 machine that reaches it, while the job runs or after it stopped.
 """
 
@@ -12,7 +12,14 @@ from typing import Annotated, Any
 
 import typer
 
-from orchestrator.cli.common import col, compact_table, console, one_line, open_db, print_json
+from rollcall.orchestrator.cli.common import (
+    col,
+    compact_table,
+    console,
+    one_line,
+    open_db,
+    print_json,
+)
 
 JobOpt = Annotated[
     str | None,
@@ -48,7 +55,7 @@ def render_status(doc: dict[str, Any]) -> Any:
     from rich.console import Group
     from rich.text import Text
 
-    from orchestrator.services.status import slot_lines
+    from rollcall.orchestrator.services.status import slot_lines
 
     j, tr = doc["job"], doc["trainer"]
     total = f"/{j['total_steps']}" if j["total_steps"] else ""
@@ -210,9 +217,9 @@ def status(
 
     Also the trainer's busy fraction and each task's in-flight episodes and staleness. Reads the
     database only, so it works from any machine that reaches it, during the job or after."""
-    from orchestrator import bounds
-    from orchestrator.db.retry import is_transient
-    from orchestrator.services.status import status_document
+    from rollcall.orchestrator import bounds
+    from rollcall.orchestrator.db.retry import is_transient
+    from rollcall.orchestrator.services.status import status_document
 
     bounds.WATCH_INTERVAL.check("--interval", interval)
     bounds.REFRESHES.check("--count", count)
@@ -271,7 +278,7 @@ def worker_list(
     clock), restarts, host and Ray node.
 
     Also the progress age (database clock); --all lists every incarnation of each slot."""
-    from orchestrator.services.status import workers
+    from rollcall.orchestrator.services.status import workers
 
     db = open_db(ctx)
     try:
@@ -304,7 +311,7 @@ def buffer_stats(ctx: typer.Context, job: JobOpt = None, json_out: JsonOpt = Fal
     and the counters (fenced rejections, expired groups, quarantined episodes, requeued
     leases). Storage: the job's payload segments and bytes, the trajectories whose payload
     retention dropped, and the database's tables by size."""
-    from orchestrator.services.status import buffer_stats
+    from rollcall.orchestrator.services.status import buffer_stats
 
     db = open_db(ctx)
     try:
@@ -324,7 +331,7 @@ def render_buffer(doc: dict[str, Any]) -> Any:
     from rich.console import Group
     from rich.text import Text
 
-    from orchestrator.services.status import EPISODE_STATES
+    from rollcall.orchestrator.services.status import EPISODE_STATES
 
     states = compact_table(col("task", flex=True), *(col(s, right=True) for s in EPISODE_STATES))
     flow = compact_table(
@@ -412,8 +419,8 @@ def events(
     json_out: JsonOpt = False,
 ) -> None:
     """The audit log: operator actions, restarts, quarantines, drills, oldest first."""
-    from orchestrator import bounds
-    from orchestrator.services.status import list_events, parse_since
+    from rollcall.orchestrator import bounds
+    from rollcall.orchestrator.services.status import list_events, parse_since
 
     bounds.EVENTS_LIMIT.check("--limit", limit)
     if since is not None:  # bad input is refused before the database is opened

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from orchestrator.cli.common import (
+from rollcall.orchestrator.cli.common import (
     actor,
     col,
     compact_table,
@@ -16,11 +16,15 @@ from orchestrator.cli.common import (
     open_db,
     print_json,
 )
-from orchestrator.cli.common import table as make_table
-from orchestrator.defaults import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_STALENESS, DEFAULT_WEIGHT
+from rollcall.orchestrator.cli.common import table as make_table
+from rollcall.orchestrator.defaults import (
+    DEFAULT_MAX_INFLIGHT,
+    DEFAULT_MAX_STALENESS,
+    DEFAULT_WEIGHT,
+)
 
 if TYPE_CHECKING:
-    from orchestrator.domain import TaskView
+    from rollcall.orchestrator.domain import TaskView
 
 app = typer.Typer(
     help="Task registry: register, list, pause, resume, drain, set quotas, retire.",
@@ -67,7 +71,7 @@ def register(
 
     Defaults: weight 1, max-inflight 8, max-staleness 2, job default. A quota that would leave
     the job's batch unfillable under the config the job was created with is refused."""
-    from orchestrator.services.tasks import register_task, resolve_plugin, validate_quota
+    from rollcall.orchestrator.services.tasks import register_task, resolve_plugin, validate_quota
 
     # Reject bad input before touching the database at all.
     resolve_plugin(plugin)
@@ -97,7 +101,7 @@ def register(
 def plugins(json_out: JsonOpt = False) -> None:
     """List the task plugins available (built-in and installed entry points), with their spec
     schema."""
-    from tasks import registry
+    from rollcall.tasks import registry
 
     rows: list[dict[str, Any]] = []
     for info in registry.available().values():
@@ -122,7 +126,7 @@ def plugins(json_out: JsonOpt = False) -> None:
 @app.command("list")
 def list_(ctx: typer.Context, job: JobOpt = "default", json_out: JsonOpt = False) -> None:
     """List the tasks of a job, retired ones included."""
-    from orchestrator.services.jobs import require_job
+    from rollcall.orchestrator.services.jobs import require_job
 
     db = open_db(ctx)
     try:
@@ -170,7 +174,7 @@ def show(
 
     Its episodes and trajectories by status, and its counters (fenced rejections, expired
     groups, quarantined episodes, requeued leases)."""
-    from orchestrator.services.tasks import require_task
+    from rollcall.orchestrator.services.tasks import require_task
 
     db = open_db(ctx)
     try:
@@ -210,7 +214,7 @@ def show(
 
 
 def _transition(ctx: typer.Context, name: str, job: str, action: str) -> None:
-    from orchestrator.services.tasks import change_status
+    from rollcall.orchestrator.services.tasks import change_status
 
     db = open_db(ctx)
     try:
@@ -260,7 +264,7 @@ def set_quota(
     ] = None,
 ) -> None:
     """Change a task's quota; takes effect on the next claim."""
-    from orchestrator.services import tasks as svc
+    from rollcall.orchestrator.services import tasks as svc
 
     svc.check_quota_change(weight, max_inflight, max_staleness)
     db = open_db(ctx)
@@ -292,7 +296,7 @@ def retire(
     Only a task with no queued or leased episodes and no groups reserved by an uncommitted
     step: finished groups never trained are expired, the partition is detached (its rows kept
     in trajectories_tN, N the task's id) and the task's name becomes free."""
-    from orchestrator.services.tasks import check_retire_confirmed, retire_task
+    from rollcall.orchestrator.services.tasks import check_retire_confirmed, retire_task
 
     check_retire_confirmed(name, yes)
     db = open_db(ctx)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import psycopg
 from sqlalchemy.engine import URL
 
-from orchestrator.errors import DatabaseUnavailableError
+from rollcall.orchestrator.db.retry import libpq_conninfo, tls_failure
+from rollcall.orchestrator.errors import DatabaseUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ class LockCheck:
 
 class DriverLock:
     def __init__(self, url: URL, job_id: int, *, application_name: str = "rollcall-driver"):
-        self._conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._url = url
+        self._conninfo = libpq_conninfo(url)
         self.job_id = int(job_id)
         self._application_name = application_name[:63]
         self._conn: psycopg.Connection | None = None
@@ -89,7 +91,8 @@ class DriverLock:
             self.close()
             reason = str(e).strip().splitlines()[0] if str(e).strip() else "connection failed"
             raise DatabaseUnavailableError(
-                f"cannot take the job's driver lock: the database is unreachable ({reason})"
+                "cannot take the job's driver lock: "
+                + (tls_failure(e, self._url) or f"the database is unreachable ({reason})")
             ) from None
         return self.held
 

@@ -35,8 +35,8 @@ from typing import Any
 
 import psycopg
 
-from orchestrator import procfs
-from orchestrator.errors import DatabaseUnavailableError
+from rollcall.orchestrator import procfs
+from rollcall.orchestrator.errors import DatabaseUnavailableError
 
 SYSTEM_USER = "embedded_postgres"
 SUPERUSER = "postgres"

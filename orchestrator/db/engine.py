@@ -1,7 +1,7 @@
 """Connections and transactions.
 
-``open_database()`` resolves where the database is (see ``orchestrator.settings``), starts the
-embedded server when no URL is given, and by default refuses to return unless the schema is at
+``open_database()`` resolves where the database is (see ``rollcall.orchestrator.settings``), starts
+the embedded server when no URL is given, and by default refuses to return unless the schema is at
 the Alembic head. ``Database.transaction()`` is the unit of work: the caller (a CLI command, a
 scheduler job, an actor method) owns it; repositories inside never commit.
 """
@@ -19,19 +19,20 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from orchestrator.db import jsontext
-from orchestrator.db.repos.batches import BatchRepository
-from orchestrator.db.repos.episodes import EpisodeRepository
-from orchestrator.db.repos.events import EventRepository
-from orchestrator.db.repos.fleet import FleetRepository
-from orchestrator.db.repos.invariants import InvariantRepository
-from orchestrator.db.repos.jobs import JobRepository
-from orchestrator.db.repos.monitoring import MonitoringRepository
-from orchestrator.db.repos.tasks import TaskRepository
-from orchestrator.db.repos.trajectories import TrajectoryRepository
-from orchestrator.db.repos.workers import WorkerRepository
-from orchestrator.errors import DatabaseUnavailableError, UserError
-from orchestrator.settings import DatabaseTarget, mask_url, resolve_database
+from rollcall.orchestrator.db import jsontext
+from rollcall.orchestrator.db.repos.batches import BatchRepository
+from rollcall.orchestrator.db.repos.episodes import EpisodeRepository
+from rollcall.orchestrator.db.repos.events import EventRepository
+from rollcall.orchestrator.db.repos.fleet import FleetRepository
+from rollcall.orchestrator.db.repos.invariants import InvariantRepository
+from rollcall.orchestrator.db.repos.jobs import JobRepository
+from rollcall.orchestrator.db.repos.monitoring import MonitoringRepository
+from rollcall.orchestrator.db.repos.tasks import TaskRepository
+from rollcall.orchestrator.db.repos.trajectories import TrajectoryRepository
+from rollcall.orchestrator.db.repos.workers import WorkerRepository
+from rollcall.orchestrator.db.retry import tls_failure
+from rollcall.orchestrator.errors import DatabaseUnavailableError, UserError
+from rollcall.orchestrator.settings import DatabaseTarget, mask_url, resolve_database
 
 APPLICATION_NAME = "rollcall"
 # PostgreSQL ends a session left idle inside a transaction this long (its process stopped or
@@ -138,13 +139,16 @@ class Database:
             with self.engine.connect() as conn:
                 conn.exec_driver_sql("SELECT 1")
         except OperationalError as e:
+            tls = tls_failure(e, self.url)
+            if tls is not None:
+                raise DatabaseUnavailableError(f"cannot connect to the database: {tls}") from None
             reason = str(e.orig).strip().splitlines()[0] if e.orig else "connection failed"
             raise DatabaseUnavailableError(
                 f"cannot connect to the database at {self.describe()}: {reason}"
             ) from None
 
     def verify_schema(self) -> None:
-        from orchestrator.db.migrate import verify_at_head
+        from rollcall.orchestrator.db.migrate import verify_at_head
 
         with self.engine.connect() as conn:
             verify_at_head(conn)
@@ -199,7 +203,7 @@ def open_database(
     """Resolve, (start,) connect and, unless told otherwise, verify the schema is at head."""
     target = resolve_database(explicit_url, config_url, home)
     if target.url is None:
-        from orchestrator.db.embedded import EmbeddedPostgres
+        from rollcall.orchestrator.db.embedded import EmbeddedPostgres
 
         raw = EmbeddedPostgres(target.home).ensure_running()
     else:

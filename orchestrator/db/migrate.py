@@ -18,16 +18,20 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, inspect
 
-from orchestrator.db.models import TRAJECTORY_PARTITION_PREFIX, Base
-from orchestrator.errors import SchemaError
+from rollcall.orchestrator.db.models import TRAJECTORY_PARTITION_PREFIX, Base
+from rollcall.orchestrator.errors import SchemaError
 
 _PARTITION_RE = re.compile(rf"^{TRAJECTORY_PARTITION_PREFIX}\d+$")
 
+# The schema at head in one file: the tables, indexes, types and every SQL function in their
+# current definitions (the migrations are the deltas that add up to it; a test compares them).
+SCHEMA_FILE = Path(__file__).with_name("schema.sql")
+
 
 def migrations_dir() -> Path:
-    import migrations
-
-    return Path(migrations.__file__).parent
+    """``rollcall/migrations``, found by path: the migrations import this package (their
+    environment reads the models), never the other way round."""
+    return Path(__file__).parents[2] / "migrations"
 
 
 def alembic_config(connection: Connection | None = None) -> Config:

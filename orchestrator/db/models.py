@@ -1,10 +1,11 @@
-"""SQLAlchemy models of the control plane (the data model of docs/architecture.md).
+"""SQLAlchemy models of the control plane (the data model of docs/architecture.md; the whole
+schema at head, its SQL functions included: orchestrator/db/schema.sql).
 
 - Statuses are PostgreSQL enum types; quotas carry CHECK constraints, so the database itself
   refuses values the CLI would refuse.
 - Timestamps come from the database clock (``now()``), never from a worker's clock.
 - ``trajectories`` is ``PARTITION BY LIST (task_id)``: one partition per registered task,
-  attached by registration and detached by retirement (functions created by the migration,
+  attached by registration and detached by retirement (SQL functions,
   ``rollcall_attach_task_partition`` / ``rollcall_detach_task_partition``). Token payloads are
   compact bytes: token ids int32, loss mask uint8, behaviour log-probs float32, all
   little-endian (see ``orchestrator.payload``); per-turn policy versions and turn offsets are
@@ -38,7 +39,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from orchestrator.domain import (
+from rollcall.orchestrator.domain import (
     SLOT_STATES,
     EpisodeStatus,
     JobStatus,
@@ -112,7 +113,7 @@ class Job(Base):
     weights_version: Mapped[int | None] = mapped_column(Integer)
     weights_uri: Mapped[str | None] = mapped_column(Text)
     # One driver per job: every driver that takes the job (holding its advisory lock, see
-    # ``orchestrator.db.driver_lock``) bumps the epoch; step commits are fenced by it, so a
+    # ``rollcall.orchestrator.db.driver_lock``) bumps the epoch; step commits are fenced by it, so a
     # driver that lost the job cannot commit even where the lock was lost with a restart.
     driver_epoch: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
     driver: Mapped[dict[str, Any] | None] = mapped_column(JSONB)  # pid, host, started_at
@@ -372,6 +373,10 @@ class Trajectory(Base):
     consumed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # Set when retention dropped the payload's segments (the metadata stays).
     payload_dropped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # An agent sample's record of calls is kept in ``agent_journal`` rows: how many of them
+    # (entries 0 .. journal_calls - 1) are the sample's journal. NULL: no journal rows (a plugin
+    # loop's sample, or a state that keeps its journal inline in ``env_state``).
+    journal_calls: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (
         ForeignKeyConstraint(["episode_id"], ["episodes.id"], ondelete="RESTRICT"),
@@ -408,6 +413,29 @@ class TrajectorySegment(Base):
     behaviour_logprobs: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
 
     __table_args__ = (CheckConstraint("0 <= start_token AND start_token < end_token", name="span"),)
+
+
+class AgentJournalEntry(Base):
+    """One call of an agent sample's record (``workers/episode``): entry ``seq`` of the journal
+    that replay answers calls from, stored as the checkpoint after the call appended it.
+
+    Append-only like ``trajectory_segments``: a checkpoint writes only the calls it added, so
+    the bytes written per agent episode grow linearly with its calls. The sample's journal is
+    entries ``0 .. trajectories.journal_calls - 1`` in ``seq`` order; an entry at or past that
+    count is left over from a run that started over (a divergence) and is overwritten by the
+    next write of that position, never read. No foreign keys, as for segments."""
+
+    __tablename__ = "agent_journal"
+
+    task_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    episode_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    sample_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # Lease epoch of the holder that wrote the entry (fencing audit).
+    lease_epoch: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    entry: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+
+    __table_args__ = (CheckConstraint("seq >= 0", name="seq_nonneg"),)
 
 
 class TrainStep(Base):

@@ -17,6 +17,8 @@ import time
 import psycopg
 from sqlalchemy.engine import URL
 
+from rollcall.orchestrator.db.retry import libpq_conninfo
+
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5
 
@@ -33,7 +35,7 @@ class GroupsListener:
     ``wait`` sleeps its timeout and returns False."""
 
     def __init__(self, url: URL, job_id: int, *, application_name: str = "rollcall-listen") -> None:
-        self._conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self._conninfo = libpq_conninfo(url)
         self._channel = groups_channel(job_id)
         self._application_name = application_name
         self._conn: psycopg.Connection | None = None

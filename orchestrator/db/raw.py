@@ -15,7 +15,7 @@ from psycopg.rows import namedtuple_row
 from psycopg.types.json import Jsonb
 from sqlalchemy.orm import Session
 
-from orchestrator.db import jsontext
+from rollcall.orchestrator.db import jsontext
 
 
 def cursor(session: Session) -> psycopg.Cursor[Any]:

@@ -13,13 +13,19 @@ An instance with an ``outages`` attribute (an ``OutageTracker``: the ``Buffer``'
 every transient failure and every success: the first failure opens an outage, the first success
 after it closes it, and the closed outage is handed once to the instance's
 ``_outage_ended(outage)``. One outage is reported once, however many calls rode it out.
+
+Two helpers for connections made outside SQLAlchemy's pool: ``libpq_conninfo`` (the connection
+string of a URL) and ``tls_failure`` (what a connection refused over TLS, or for want of it,
+says to the user, in one sentence).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import random
+import re
 import threading
 import time
 from collections import Counter
@@ -29,7 +35,9 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import URL
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +63,67 @@ def is_transient(e: BaseException) -> bool:
     if isinstance(e, psycopg.OperationalError | psycopg.InterfaceError):
         return True
     return isinstance(e, sa_exc.TimeoutError)  # pool exhausted while connections reconnect
+
+
+def libpq_conninfo(url: URL) -> str:
+    """libpq's connection string for ``url``, its query parameters included (``sslmode``,
+    ``sslrootcert``, a socket ``host``). Built from the parts, not by rendering the URL: libpq
+    reads a ``+`` in a URL as a plus, and SQLAlchemy writes a space as one."""
+    args = url.translate_connect_args(username="user", database="dbname")
+    params = {k: v for k, v in args.items() if v is not None}
+    for key, value in url.query.items():
+        params[key] = value if isinstance(value, str) else ",".join(value)  # several hosts
+    return make_conninfo("", **params)
+
+
+_HOST_MISMATCH = re.compile(r'server certificate for .*? does not match host name "[^"]*"')
+_NO_ROOT_FILE = re.compile(r'root certificate file "[^"]*" does not exist')
+_NO_PLAINTEXT = re.compile(r"no pg_hba\.conf entry for [^\n]*?, no encryption")
+
+
+def tls_failure(error: BaseException, url: URL) -> str | None:
+    """One sentence, naming the server, for a connection that TLS refused (the server's
+    certificate not verified against ``sslrootcert``, or not naming the host; no CA file) or
+    that the server refused for want of TLS; None for any other failure."""
+    text = str(getattr(error, "orig", None) or error)
+    host = url.host or _param(url, "host") or os.environ.get("PGHOST") or "localhost"
+    port = url.port or _param(url, "port") or os.environ.get("PGPORT") or "5432"
+    server = f"the database server at {host}:{port}"
+    mode = _param(url, "sslmode") or os.environ.get("PGSSLMODE") or "prefer"
+    if "certificate verify failed" in text:
+        root = (
+            _param(url, "sslrootcert")
+            or os.environ.get("PGSSLROOTCERT")
+            or "~/.postgresql/root.crt (libpq's default)"
+        )
+        return (
+            f"the TLS certificate of {server} was not verified against sslrootcert {root} "
+            "(certificate verify failed); sslrootcert must hold the CA certificate that signed "
+            "the server's certificate"
+        )
+    if m := _HOST_MISMATCH.search(text):
+        return (
+            f"the TLS certificate of {server} does not name that host ({m[0]}); connect by a "
+            f"name the certificate lists, as sslmode={mode} checks it"
+        )
+    if m := _NO_ROOT_FILE.search(text):
+        return (
+            f"sslmode={mode} verifies {server} against a CA certificate, and the {m[0]} on "
+            "this machine; copy the CA file here or point sslrootcert at it"
+        )
+    if m := _NO_PLAINTEXT.search(text):
+        return (
+            f"{server} refused an unencrypted connection ({m[0]}); if it accepts only TLS "
+            "(hostssl in pg_hba.conf), connect with sslmode=verify-full and sslrootcert"
+        )
+    return None
+
+
+def _param(url: URL, key: str) -> str | None:
+    value = url.query.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    return ",".join(value)
 
 
 def backoff_s(attempt: int, *, base_s: float = BASE_S, cap_s: float = CAP_S) -> float:

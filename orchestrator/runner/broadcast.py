@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-from orchestrator.config import WeightsConfig
+from rollcall.orchestrator.config import WeightsConfig
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ class Broadcaster:
         """Broadcast ``version`` to ``members`` ((name, actor) pairs); what happened."""
         import ray
 
-        from workers import collective
+        from rollcall.workers import collective
 
         base = trainer.weights_offer()
         t0 = time.monotonic()

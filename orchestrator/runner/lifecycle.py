@@ -1,7 +1,7 @@
 """A job's lifecycle as its driver lives it: one driver per job, the job's status, stop
 requests from another terminal.
 
-``acquire()`` takes the job's driver lock (``orchestrator.db.driver_lock``) or refuses this
+``acquire()`` takes the job's driver lock (``rollcall.orchestrator.db.driver_lock``) or refuses this
 driver with one sentence (and a ``job.driver_refused`` event) while another one runs the job.
 ``start(tx)`` then bumps the job's driver epoch (step commits are fenced by it), sets the job
 ``running`` and records ``job.driver_started``. ``watch()`` starts a thread that every
@@ -23,12 +23,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.db.driver_lock import DriverLock
-from orchestrator.db.engine import Database, Tx
-from orchestrator.db.retry import retry_transient
-from orchestrator.domain import JobStatus
-from orchestrator.errors import ConflictError
-from orchestrator.services.jobs import describe_driver
+from rollcall.orchestrator.db.driver_lock import DriverLock
+from rollcall.orchestrator.db.engine import Database, Tx
+from rollcall.orchestrator.db.retry import retry_transient
+from rollcall.orchestrator.domain import JobStatus
+from rollcall.orchestrator.errors import ConflictError
+from rollcall.orchestrator.services.jobs import describe_driver
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 ``MetricsExporter`` is a prometheus-client collector over a snapshot that a control-plane
 scheduler job refreshes every ``metrics.interval_s``: the numbers come from the database
-(``orchestrator.services.status.snapshot``: tasks, buffer, workers, steps, events, drills), the
-trainer's step timings from the ``train_steps`` rows committed since the exporter started, and
+(``rollcall.orchestrator.services.status.snapshot``: tasks, buffer, workers, steps, events, drills),
+the trainer's step timings from the ``train_steps`` rows committed since the exporter started, and
 the rollout nodes' weight-load latency from their own reports (a Ray call with a short
 timeout). A scrape never touches the database. When the database cannot be reached,
 ``rollcall_database_up`` drops to 0 and the last collected values stay.
@@ -37,11 +37,16 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from orchestrator.config import RollcallConfig
-from orchestrator.db.engine import Database
-from orchestrator.domain import SLOT_STATES
-from orchestrator.errors import UserError
-from orchestrator.services.status import EPISODE_STATES, JobSnapshot, snapshot, step_seconds
+from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.domain import SLOT_STATES
+from rollcall.orchestrator.errors import UserError
+from rollcall.orchestrator.services.status import (
+    EPISODE_STATES,
+    JobSnapshot,
+    snapshot,
+    step_seconds,
+)
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +305,7 @@ class MetricsExporter(Collector):
 
     def refresh(self) -> None:
         """Collect from the database (and the rollout nodes); never raises."""
-        from orchestrator.db.retry import is_transient
+        from rollcall.orchestrator.db.retry import is_transient
 
         try:
             with self.db.transaction() as tx:

@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.config import RollcallConfig
-from orchestrator.errors import UserError
+from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.errors import UserError
 
 
 def trainer_bundle(cfg: RollcallConfig) -> dict[str, float]:

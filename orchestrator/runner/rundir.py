@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
-from orchestrator.settings import mask_url
+from rollcall.orchestrator.evalstats import mean_interval
+from rollcall.orchestrator.settings import mask_url
 
 if TYPE_CHECKING:
-    from orchestrator.config import RunConfig
-    from orchestrator.runner.trackers import Trackers
+    from rollcall.orchestrator.config import RunConfig
+    from rollcall.orchestrator.runner.trackers import Trackers
 
 
 class RunDir:
@@ -106,7 +107,7 @@ class RunDir:
     def start_trackers(self, run: RunConfig, job: str, say: Callable[[str], None]) -> None:
         """Start ``run.trackers`` (orchestrator/runner/trackers.py) and give them the config
         written last; from now on every appended record goes to them too."""
-        from orchestrator.runner.trackers import open_trackers
+        from rollcall.orchestrator.runner.trackers import open_trackers
 
         self.trackers = open_trackers(run.trackers, run.tracking, self.root, job=job, say=say)
         if self._config is not None:
@@ -152,7 +153,6 @@ class RunDir:
 
         tasks = sorted({t for r in evals for t in r["reward"]})
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-        from orchestrator.evalstats import mean_interval
 
         for task in tasks:
             pts = sorted(

@@ -33,71 +33,47 @@ Whatever ends an incarnation, its leases are requeued at once (the next claimer 
 the checkpoints). The driver runs ``check()`` as a scheduler job, on its own thread, so
 supervision never waits on the trainer or the driver's loop; a lock keeps ``check()``,
 ``actors`` and ``stop()`` apart, and once ``stop()`` ran, ``check()`` starts nothing.
+
+A slot, and how a death is judged (the node's own, its machine's, or unknown until Ray says):
+``orchestrator/runner/slots.py``; the views the driver reads (``actors``, ``members``, ...):
+``orchestrator/runner/slotviews.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.buffer.service import Buffer
-from orchestrator.domain import WorkerStatus
-from orchestrator.runner import raynodes
+from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
+from rollcall.orchestrator.domain import WorkerStatus
+from rollcall.orchestrator.runner import raynodes
+from rollcall.orchestrator.runner.slots import (
+    MACHINE,
+    OWN,
+    UNKNOWN,
+    Slot,
+    _death_reason,
+    _declared_dead,
+    _judge_error,
+    _ray_node_alive,
+)
+from rollcall.orchestrator.runner.slotviews import SlotBook
 
 log = logging.getLogger(__name__)
 
-# how a death is judged: the node's own (counted), its machine's (not counted), or unknown
-# until Ray says whether the machine is alive
-OWN, MACHINE, UNKNOWN = "own", "machine", "unknown"
 # Ray places a new placement group, or a lost machine's groups elsewhere, within moments where
 # there is room: a slot says it waits for capacity only once that has had time
 RESCHEDULE_GRACE_S = 5.0
 ACTIVE = ("starting", "alive", "restarting", "awaiting_ray", "waiting_capacity", "draining")
 
 
-@dataclass
-class Slot:
-    name: str
-    index: int
-    group: Any = None  # its placement group (None: no reservation, placed anywhere)
-    state: str = "waiting_capacity"
-    since: float = field(default_factory=time.monotonic)  # in this state since
-    reason: str | None = None  # why it is in its state
-    actor: Any = None
-    run_ref: Any = None
-    worker_ref: Any = None
-    worker_id: int | None = None
-    prev_worker_id: int | None = None  # the slot's latest incarnation before this start
-    node_id: str | None = None  # the Ray node the incarnation runs on
-    up: bool = False  # its constructor finished: the engine is up
-    registered_at: float = 0.0
-    restarts: int = 0  # counted within the window
-    losses: int = 0  # machine losses (not counted)
-    started_at: float = 0.0
-    next_start_at: float = 0.0
-    said_waiting: bool = False
-    # no waiting line before this (Ray places a new group, or re-places a lost machine's,
-    # within moments where there is room)
-    quiet_until: float = 0.0
-    verdict: dict[str, Any] | None = None  # awaiting Ray: the death, the node, a probe, until
-    drain_until: float = 0.0
-    remove: bool = False  # scaled away: removed once drained
-    history: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def failed(self) -> bool:
-        return self.state == "failed"
-
-
 class Supervisor:
     def __init__(
         self,
-        buffer: Buffer,
+        buffer: ControlPlaneBuffer,
         start_node: Callable[..., Any],
         *,
         nodes: int,
@@ -129,77 +105,20 @@ class Supervisor:
         self.drain_timeout_s = drain_timeout_s
         self.placement = placement
         self.say = say
-        self._lock = threading.Lock()
+        self._sandbox_lines: set[str] = set()  # what tool calls get, as nodes said it
         self._stopped = False
         self.final_reports: list[dict[str, Any]] = []  # what the stopped nodes' runs returned
         self._nodes: dict[str, dict[str, Any]] | None = None  # Ray's node table, this pass
-        self._waiting_since: float | None = None  # no slot up or starting since then
         groups = list(placement.slots) if placement is not None else []
         self.slots = [Slot(f"rollout-{i}", i) for i in range(nodes)]
+        # the slots, their lock and the views the driver reads (the same list, never rebound)
+        self.book = SlotBook(buffer, self.slots)
+        self._lock = self.book.lock
         for slot, group in zip(self.slots, groups, strict=False):
             slot.group = group
         self._nodes = raynodes.nodes() if placement is not None else None
         for slot in self.slots:
             self._place(slot, time.monotonic())
-
-    # -- views --------------------------------------------------------------------------------
-
-    @property
-    def actors(self) -> list[Any]:
-        """The nodes that are up: started and registered (a node still starting would answer
-        a call only once its constructor finished)."""
-        with self._lock:
-            return [s.actor for s in self.slots if s.actor is not None and s.up]
-
-    def named_actors(self) -> list[tuple[str, Any]]:
-        """(name, actor) of the nodes that are up."""
-        with self._lock:
-            return [(s.name, s.actor) for s in self.slots if s.actor is not None and s.up]
-
-    def members(self) -> list[tuple[str, Any]]:
-        """(name, actor) of the nodes a weight broadcast goes to: up here, and alive in the
-        database as the slot's current incarnation (a membership epoch's members)."""
-        health = {w["name"]: w for w in self.buffer.node_health()}
-        with self._lock:
-            return [
-                (s.name, s.actor)
-                for s in self.slots
-                if s.actor is not None
-                and s.up
-                and s.state == "alive"
-                and s.worker_id is not None
-                and health.get(s.name, {}).get("id") == s.worker_id
-                and health[s.name]["status"] == "alive"
-            ]
-
-    @property
-    def all_failed(self) -> bool:
-        """Every slot is over its restart budget: the job has no rollout node left."""
-        with self._lock:
-            live = [s for s in self.slots if s.state != "removed"]
-            return bool(live) and all(s.failed for s in live)
-
-    def failures(self) -> list[str]:
-        """Why each failed slot failed (its last reason)."""
-        with self._lock:
-            return [
-                f"{s.name}: {s.history[-1]['reason']}" for s in self.slots if s.failed and s.history
-            ]
-
-    def waiting_for_capacity(self) -> float | None:
-        """Seconds since no slot has been up, starting or able to start (every one waits for
-        a machine, or for Ray's word on its lost one), or None."""
-        with self._lock:
-            if self._waiting_since is None:
-                return None
-            return time.monotonic() - self._waiting_since
-
-    def states(self) -> dict[str, int]:
-        with self._lock:
-            out: dict[str, int] = {}
-            for s in self.slots:
-                out[s.state] = out.get(s.state, 0) + 1
-            return out
 
     # -- a pass -------------------------------------------------------------------------------
 
@@ -239,9 +158,9 @@ class Supervisor:
             s.state in ("waiting_capacity", "awaiting_ray") for s in active
         )
         if not waiting:
-            self._waiting_since = None
-        elif self._waiting_since is None:
-            self._waiting_since = now
+            self.book.waiting_since = None
+        elif self.book.waiting_since is None:
+            self.book.waiting_since = now
 
     def _watch(
         self, slot: Slot, row: dict[str, Any] | None, now: float, draining: set[str]
@@ -262,6 +181,10 @@ class Supervisor:
                 self._set(slot, "alive", None)
                 if slot.history or slot.said_waiting:
                     self.say(f"{slot.name}: up on {self._where(slot.node_id)}")
+                sandbox = (row or {}).get("tool_sandbox")
+                if sandbox and sandbox not in self._sandbox_lines:  # once per distinct line
+                    self._sandbox_lines.add(sandbox)
+                    self.say(f"{slot.name}: {sandbox}")
         if slot.node_id is not None and slot.node_id in draining:
             self._drain(slot, now, f"its machine, {self._where(slot.node_id)}, is draining")
             return
@@ -442,7 +365,7 @@ class Supervisor:
         if self.placement is None:
             self._start(slot, None, None)
             return
-        from orchestrator.runner.placement import group_state, strategy
+        from rollcall.orchestrator.runner.placement import group_state, strategy
 
         state, node = group_state(slot.group)
         if state == "UNKNOWN":  # Ray's GCS did not answer: no word on capacity, ask again
@@ -666,74 +589,3 @@ class Supervisor:
             ray.kill(s.actor, no_restart=True)
             s.actor = None
         return ids
-
-
-def _declared_dead(row: dict[str, Any] | None, worker_id: int | None) -> str | None:
-    """Why the database says the slot's incarnation is dead (None: it does not): the words the
-    row keeps (the sweep's, "declared dead by the control plane (no heartbeat ...)", or the
-    node's own when it gave up before its run returned: its breaker tripped, its engine
-    failed), never a guess."""
-    if row is None or row["id"] != worker_id or row["status"] not in ("dead", "failed"):
-        return None
-    return str(row.get("status_reason") or "declared dead by the control plane")
-
-
-def _death_reason(e: BaseException) -> str:
-    """What ended a node's ``run``: the exception the node raised (an ``EngineFailure``, say),
-    or the kind of actor death Ray reports."""
-    import ray.exceptions
-
-    if isinstance(e, ray.exceptions.RayTaskError):
-        cause = e.cause if isinstance(e.cause, BaseException) else e
-        first = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else ""
-        return f"{type(cause).__name__}: {first}" if first else type(cause).__name__
-    if isinstance(e, ray.exceptions.RayActorError) and e.actor_init_failed:
-        # its constructor raised: Ray's text of it ends with the exception's own line
-        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-        return f"constructor raised {lines[-1][:300]}" if lines else "constructor raised"
-    return f"actor died ({type(e).__name__})"
-
-
-def _judge_error(e: BaseException, slot: Slot | None = None) -> str:
-    """How an actor's error is judged, from Ray's structured words only, never message text:
-    the node's own code raised (``RayTaskError``, a constructor that raised): ``OWN``;
-    ``NodeDiedError`` or a preempted actor: ``MACHINE``; any other actor death: what Ray's
-    actor table recorded (died with its node: ``MACHINE``; dead for another reason, reported
-    by its machine's raylet: ``OWN``; not recorded dead yet, as for an actor that became
-    unreachable: ``UNKNOWN``, the machine's verdict decides)."""
-    import ray.exceptions
-
-    if isinstance(e, ray.exceptions.NodeDiedError):
-        return MACHINE
-    if isinstance(e, ray.exceptions.RayTaskError):  # the node's own code raised: its failure
-        return OWN
-    if isinstance(e, ray.exceptions.RayActorError):
-        if e.actor_init_failed:  # its constructor raised
-            return OWN
-        if e.preempted:
-            return MACHINE
-        death = raynodes.actor_death(slot.actor) if slot is not None and slot.actor else None
-        if death == "node_died":
-            return MACHINE
-        if death == "own":
-            return OWN
-        return UNKNOWN
-    return OWN
-
-
-def _machine_lost(e: BaseException, node_id: str | None = None) -> bool:
-    """Whether Ray says at once that the actor's machine is gone: ``NodeDiedError``, a
-    preempted actor, or (for another actor death) its Ray node ``node_id`` no longer alive in
-    Ray's node table. A death this cannot tell (``UNKNOWN``) waits for Ray's verdict in the
-    supervisor."""
-    judged = _judge_error(e)
-    if judged == UNKNOWN:
-        return node_id is not None and not _ray_node_alive(node_id)
-    return judged == MACHINE
-
-
-def _ray_node_alive(node_id: str) -> bool:
-    table = raynodes.nodes()
-    if table is None or node_id not in table:
-        return True  # no structured answer: count it
-    return bool(table[node_id].get("Alive"))

@@ -22,9 +22,10 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from orchestrator.config import TrackingConfig
-from orchestrator.errors import UserError
-from orchestrator.settings import mask_url
+from rollcall.orchestrator.config import TrackingConfig
+from rollcall.orchestrator.errors import UserError
+from rollcall.orchestrator.evalstats import mean_interval
+from rollcall.orchestrator.settings import mask_url
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,6 @@ class Tracker(Protocol):
 
 def scalars_of(record: dict[str, Any]) -> tuple[str, int, dict[str, float]] | None:
     """A metrics.jsonl record as (section, step, {tag: value}), or None when it has none."""
-    from orchestrator.evalstats import mean_interval
 
     step = record.get("step")
     if not isinstance(step, int):

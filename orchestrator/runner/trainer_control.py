@@ -1,43 +1,62 @@
 """The job driver's trainer: start it (from the last checkpoint or newer published weights
 when the job has trained before), and recover it when it fails.
 
-A mixin of ``JobDriver`` (``orchestrator.runner.driver``): it works on the driver's config,
-database, buffer, placement and console, and keeps the trainer handle and its failure count
-on the driver, where the loop, the metrics and the tests read them.
+``TrainerControl`` is an object the driver (``rollcall.orchestrator.runner.driver``) holds,
+given what it needs: the config, the database, the job, the trainer's buffer (for the
+requeue of dead ranks, the return of the uncommitted batch's claims and the events), the
+job's reservation and the console. It keeps the trainer handle and the failure count; the
+driver keeps the step it is at and passes it in.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.errors import ConflictError
+from rollcall.orchestrator.errors import ConflictError
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from rich.console import Console
 
-    from orchestrator.buffer.service import Buffer
-    from orchestrator.config import RollcallConfig
-    from orchestrator.db.engine import Database
+    from rollcall.orchestrator.buffer.trainer import TrainerBuffer
+    from rollcall.orchestrator.config import RollcallConfig
+    from rollcall.orchestrator.db.engine import Database
+
+
+log = logging.getLogger(__name__)
 
 
 class TrainerControl:
-    cfg: RollcallConfig
-    db: Database
-    buffer: Buffer
-    console: Console
-    model_dir: Path
-    job_id: int
-    step: int
-    trainer: Any
-    placement: Any
-    trainer_restarts: int
-    trainer_failures: list[float]
+    def __init__(
+        self,
+        cfg: RollcallConfig,
+        db: Database,
+        job_id: int,
+        buffer: TrainerBuffer,
+        *,
+        model_dir: Path,
+        placement: Any,
+        console: Console,
+    ) -> None:
+        self.cfg = cfg
+        self.db = db
+        self.job_id = job_id
+        self.buffer = buffer
+        self.model_dir = model_dir
+        self.placement = placement  # the job's reserved slots (None: none)
+        self.console = console
+        self.trainer: Any = None
+        self.version: int | None = None  # the job's policy version at the last start
+        self.restarts = 0  # failures within trainer.restart_window_s
+        self.failures: list[float] = []
 
-    def _start_trainer(self) -> None:
-        from workers.trainer.factory import make_trainer
+    def start(self) -> int:
+        """Start the trainer group, restored to the job's last state when it has trained
+        before; returns the job's policy version (the step the trainer is at)."""
+        from rollcall.workers.trainer.factory import make_trainer
 
         cfg = self.cfg
         self.trainer = make_trainer(
@@ -55,18 +74,29 @@ class TrainerControl:
         try:
             with self.db.transaction() as tx:
                 state = tx.batches.job_state(self.job_id)
-                self.step = state.policy_version
+                step = self.version = state.policy_version
                 last = tx.batches.last_checkpoint(self.job_id)
                 published = tx.batches.published_weights(self.job_id)
-            if self.step > 0:
-                self._restore_trainer(last, published)
+            if step > 0:
+                self._restore(step, last, published)
         except BaseException:  # a half-started trainer must not keep its slots
             self.trainer.kill()
             self.trainer = None
             raise
+        return step
 
-    def _restore_trainer(
-        self, last: tuple[int, str] | None, published: tuple[int, str] | None
+    def shutdown(self) -> None:
+        """Stop the trainer (its ranks save nothing more); logged, never raised."""
+        if self.trainer is None:
+            return
+        try:
+            self.trainer.shutdown()
+        except Exception:
+            log.exception("stopping the trainer failed")
+        self.trainer = None
+
+    def _restore(
+        self, step: int, last: tuple[int, str] | None, published: tuple[int, str] | None
     ) -> None:
         """Bring the new trainer to the newest state the job kept: the last checkpoint (model,
         optimizer, schedule; the checkpoint of step k holds version k + 1), then, when a
@@ -78,7 +108,7 @@ class TrainerControl:
         pub_version = published[0] if published is not None else 0
         if max(ckpt_version, pub_version) == 0:
             raise ConflictError(
-                f"job {self.cfg.job.name!r} is at step {self.step} but has no checkpoint and "
+                f"job {self.cfg.job.name!r} is at step {step} but has no checkpoint and "
                 "no published weights to resume the trainer from"
             )
         restored = ckpt_version
@@ -87,9 +117,9 @@ class TrainerControl:
         if published is not None and pub_version > ckpt_version:
             self.trainer.load_weights(published[1], pub_version)
             restored = pub_version
-        if restored < self.step:
+        if restored < step:
             self.console.print(
-                f"warning: the updates of steps {restored + 1}..{self.step} were lost with the "
+                f"warning: the updates of steps {restored + 1}..{step} were lost with the "
                 "trainer (neither checkpointed nor published; their trajectories stay "
                 f"consumed); training continues from version {restored}'s weights. Set "
                 "trainer.checkpoint_every: 1 or trainer.sync_every: 1 to lose none.",
@@ -105,7 +135,7 @@ class TrainerControl:
             )
         self.console.print(f"resumed the trainer from {' and '.join(parts)}", markup=False)
 
-    def _recover_trainer(self, error: BaseException) -> None:
+    def recover(self, error: BaseException, step: int) -> int:
         """A rank died (or a collective failed): kill the group, return the uncommitted batch's
         claims, and start a new group from the last committed checkpoint (or newer published
         weights) in the same reserved slots; the loop then replays the same batch for the same
@@ -113,8 +143,8 @@ class TrainerControl:
         ``ray.placement_timeout_s``, not set up within ``trainer.start_timeout_s``), counts
         against ``trainer.max_restarts`` within ``trainer.restart_window_s``; every one is an
         event (``trainer.down``, ``trainer.start_failed``, then ``trainer.restarted`` or
-        ``trainer.failed``)."""
-        from orchestrator.domain import WorkerStatus
+        ``trainer.failed``). Returns the step the new trainer is at."""
+        from rollcall.orchestrator.domain import WorkerStatus
 
         old = self.trainer
         old.kill()
@@ -124,67 +154,67 @@ class TrainerControl:
         released = self.buffer.release_trainer_claims()
         budget = self.cfg.trainer.max_restarts
         reason = failure_reason(error)
-        self._count_trainer_failure()
+        self._count_failure()
         # the failure is on record before any restart is tried (which may take long, or fail)
         self.buffer.event(
             "trainer.down",
-            f"trainer down at step {self.step} ({released} claimed trajectories returned for "
+            f"trainer down at step {step} ({released} claimed trajectories returned for "
             f"replay): {reason}",
-            {"step": self.step, "reason": reason, "failures": self.trainer_restarts},
+            {"step": step, "reason": reason, "failures": self.restarts},
         )
         while True:
-            if self.trainer_restarts > budget:
+            if self.restarts > budget:
                 self.buffer.event(
                     "trainer.failed",
-                    f"trainer failed {self.trainer_restarts} times (budget {budget}): {reason}",
-                    {"step": self.step, "reason": reason},
+                    f"trainer failed {self.restarts} times (budget {budget}): {reason}",
+                    {"step": step, "reason": reason},
                 )
                 self.console.print(
-                    f"trainer FAILED at step {self.step}: {self.trainer_restarts} failures "
+                    f"trainer FAILED at step {step}: {self.restarts} failures "
                     f"within trainer.restart_window_s, over trainer.max_restarts ({budget}); "
                     f"the job stops ({reason})",
                     markup=False,
                 )
                 raise error
             self.console.print(
-                f"trainer failed at step {self.step} ({reason}); restarting from the last "
-                f"checkpoint (restart {self.trainer_restarts}/{budget})",
+                f"trainer failed at step {step} ({reason}); restarting from the last "
+                f"checkpoint (restart {self.restarts}/{budget})",
                 markup=False,
             )
             t0 = time.monotonic()
             try:
-                self._start_trainer()
+                step = self.start()
             except Exception as e:
                 if not is_trainer_failure(e):
                     raise
                 error, reason = e, self._start_failure(e)
-                self._count_trainer_failure()
+                self._count_failure()
                 self.buffer.event(
                     "trainer.start_failed",
-                    f"trainer restart at step {self.step} failed after "
+                    f"trainer restart at step {step} failed after "
                     f"{time.monotonic() - t0:.1f} s: {reason}",
-                    {"step": self.step, "reason": reason, "failures": self.trainer_restarts},
+                    {"step": step, "reason": reason, "failures": self.restarts},
                 )
                 self.console.print(f"trainer restart failed: {reason}", markup=False)
                 continue
             self.buffer.event(
                 "trainer.restarted",
-                f"trainer restarted at step {self.step} in {time.monotonic() - t0:.1f} s "
+                f"trainer restarted at step {step} in {time.monotonic() - t0:.1f} s "
                 f"({released} claimed trajectories returned for replay): {reason}",
-                {"step": self.step, "reason": reason, "restart": self.trainer_restarts},
+                {"step": step, "reason": reason, "restart": self.restarts},
             )
-            return
+            return step
 
-    def _count_trainer_failure(self) -> None:
+    def _count_failure(self) -> None:
         now = time.monotonic()
         window = self.cfg.trainer.restart_window_s
-        self.trainer_failures = [t for t in self.trainer_failures if now - t <= window] + [now]
-        self.trainer_restarts = len(self.trainer_failures)
+        self.failures = [t for t in self.failures if now - t <= window] + [now]
+        self.restarts = len(self.failures)
 
     def _start_failure(self, e: BaseException) -> str:
         """Why a trainer start failed, with the reservation's state when the ranks were not
         placed (RESCHEDULING: a Ray node that held slots was lost, none has room for them)."""
-        from workers.trainer.group import TrainerStartError
+        from rollcall.workers.trainer.group import TrainerStartError
 
         reason = failure_reason(e)
         if isinstance(e, TrainerStartError) and not e.placed and self.placement is not None:
@@ -203,6 +233,6 @@ def is_trainer_failure(e: BaseException) -> bool:
     the database being down."""
     import ray.exceptions
 
-    from workers.trainer.group import TrainerTimeoutError
+    from rollcall.workers.trainer.group import TrainerTimeoutError
 
     return isinstance(e, ray.exceptions.RayError | TrainerTimeoutError)

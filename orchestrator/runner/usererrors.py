@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.domain import EventView
+from rollcall.orchestrator.domain import EventView
 
 log = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import getpass
 from typing import Any
 
-from orchestrator.config import check_name
-from orchestrator.db.engine import Tx
-from orchestrator.domain import JobStatus, JobView
-from orchestrator.errors import ConflictError, NotFoundError, UserError
+from rollcall.orchestrator.config import check_name
+from rollcall.orchestrator.db.engine import Tx
+from rollcall.orchestrator.domain import JobStatus, JobView
+from rollcall.orchestrator.errors import ConflictError, NotFoundError, UserError
 
 DEFAULT_JOB = "default"
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from orchestrator.db.engine import Database
-from orchestrator.errors import ConflictError, NotFoundError, UserError
-from orchestrator.services.jobs import require_job
+from rollcall.orchestrator import rayauth
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.errors import ConflictError, NotFoundError, UserError
+from rollcall.orchestrator.services.jobs import require_job
 
 
 @dataclass
@@ -44,8 +46,8 @@ def gcs_address(db: Database, job: str | None, address: str | None) -> str:
     raise UserError("name the job (--job) or the Ray cluster (--address HOST:PORT)")
 
 
-def _client(address: str) -> Any:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as the job's driver starts Ray
+def _client(address: str, home: str | Path | None = None) -> Any:
+    rayauth.configure_client(home)  # the job's Ray token (a local job's, or the operator's)
     return _ray("ray._raylet").GcsClient(address=address)
 
 
@@ -56,11 +58,11 @@ def _ray(module: str) -> Any:
     return importlib.import_module(module)
 
 
-def ray_nodes(address: str) -> list[RayNode]:
+def ray_nodes(address: str, home: str | Path | None = None) -> list[RayNode]:
     """Every node Ray's GCS knows, alive ones first."""
     gcs_pb2 = _ray("ray.core.generated.gcs_pb2")
     try:
-        infos = _client(address).get_all_node_info(timeout=10)
+        infos = _client(address, home).get_all_node_info(timeout=10)
     except Exception as e:
         raise ConflictError(f"the Ray cluster at {address} does not answer: {e}") from None
     draining = gcs_pb2.NodeSnapshot.DRAINING
@@ -91,7 +93,14 @@ def resolve(nodes: list[RayNode], prefix: str) -> RayNode:
     return found[0]
 
 
-def drain(address: str, prefix: str, *, deadline_s: float | None, reason: str) -> RayNode:
+def drain(
+    address: str,
+    prefix: str,
+    *,
+    deadline_s: float | None,
+    reason: str,
+    home: str | Path | None = None,
+) -> RayNode:
     """Ask Ray to drain the node: it places nothing new there, and the job's supervisor moves
     the rollout nodes it hosts (they give their turns back first)."""
     autoscaler_pb2 = _ray("ray.core.generated.autoscaler_pb2")
@@ -103,7 +112,7 @@ def drain(address: str, prefix: str, *, deadline_s: float | None, reason: str) -
         )
     deadline_ms = 0 if deadline_s is None else int((time.time() + deadline_s) * 1000)
     try:
-        accepted, why = _client(address).drain_node(
+        accepted, why = _client(address, home).drain_node(
             node.node_id,
             autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
             reason,

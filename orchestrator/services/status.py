@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from orchestrator import bounds
-from orchestrator.db.engine import Tx
-from orchestrator.db.repos.monitoring import DrillCount, JobProgress, StepSummary
-from orchestrator.db.repos.trajectories import table_sizes
-from orchestrator.domain import JobView, paused_sentence
-from orchestrator.errors import NotFoundError, UserError
-from orchestrator.services.jobs import driver_json, require_job
+from rollcall.orchestrator import bounds
+from rollcall.orchestrator.db.engine import Tx
+from rollcall.orchestrator.db.repos.monitoring import DrillCount, JobProgress, StepSummary
+from rollcall.orchestrator.db.repos.trajectories import table_sizes
+from rollcall.orchestrator.domain import JobView, paused_sentence
+from rollcall.orchestrator.errors import NotFoundError, UserError
+from rollcall.orchestrator.services.jobs import driver_json, require_job
 
 # Episode states as operators see them: ``done`` split by where it is in training.
 EPISODE_STATES = ("queued", "leased", "ready", "claimed", "consumed", "expired", "quarantined")

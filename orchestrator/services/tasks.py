@@ -12,15 +12,24 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from orchestrator import bounds
-from orchestrator.config import TaskConfig, check_name, format_validation_error, read_yaml_mapping
-from orchestrator.db.engine import Tx
-from orchestrator.defaults import DEFAULT_MAX_INFLIGHT, DEFAULT_MAX_STALENESS, DEFAULT_WEIGHT
-from orchestrator.domain import TaskStatus, TaskView
-from orchestrator.errors import ConflictError, NotFoundError, UserError
-from orchestrator.quotas import BatchPolicy, QuotaInput, batch_problem
-from orchestrator.services.jobs import require_job
-from tasks import registry
+from rollcall.orchestrator import bounds
+from rollcall.orchestrator.config import (
+    TaskConfig,
+    check_name,
+    format_validation_error,
+    read_yaml_mapping,
+)
+from rollcall.orchestrator.db.engine import Tx
+from rollcall.orchestrator.defaults import (
+    DEFAULT_MAX_INFLIGHT,
+    DEFAULT_MAX_STALENESS,
+    DEFAULT_WEIGHT,
+)
+from rollcall.orchestrator.domain import TaskStatus, TaskView
+from rollcall.orchestrator.errors import ConflictError, NotFoundError, UserError
+from rollcall.orchestrator.quotas import BatchPolicy, QuotaInput, batch_problem
+from rollcall.orchestrator.services.jobs import require_job
+from rollcall.tasks import registry
 
 # action -> (statuses it applies to, resulting status)
 TRANSITIONS: dict[str, tuple[frozenset[TaskStatus], TaskStatus]] = {
@@ -34,7 +43,8 @@ EVENT_KIND = {"pause": "task.paused", "resume": "task.resumed", "drain": "task.d
 def validate_quota(
     weight: float | None, max_inflight: int | None, max_staleness: int | None
 ) -> None:
-    """Each value within its bounds (``orchestrator.bounds``), before anything is written."""
+    """Each value within its bounds (``rollcall.orchestrator.bounds``), before anything is
+    written."""
     bounds.WEIGHT.check("--weight", weight, "pass e.g. --weight 1")
     bounds.MAX_INFLIGHT.check(
         "--max-inflight", max_inflight, "to stop claims, pause the task instead"
@@ -104,7 +114,7 @@ def check_agent_tasks(
     """Agent tasks' specs checked before a job is created (their function, their prompts),
     with evaluation on, that their prompts hold held-out rows, and that their tool timeout
     stays within ``progress_room_s`` (the progress timeout less the heartbeat timeout)."""
-    from tasks.agent import AgentSpec, prompt_rows
+    from rollcall.tasks.agent import AgentSpec, prompt_rows
 
     for t in tasks:
         if t.plugin != "agent":

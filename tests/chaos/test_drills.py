@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.buffer.invariants import check_invariants
-from orchestrator.db.engine import Database
-from orchestrator.services.drills import Drills
+from rollcall.orchestrator.buffer.invariants import check_invariants
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.services.drills import Drills
 from tests.chaos.test_faults import _config, _driver
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support.waiting import wait_for
@@ -32,7 +32,7 @@ def test_drills_against_a_running_job(
     engine: sa.Engine,
     tmp_path: Path,
 ) -> None:
-    from orchestrator.db.embedded import EmbeddedPostgres
+    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
 
     # total_steps is a ceiling: the job must outlive the drills, and is stopped after them
     driver = _driver(_config(tmp_path, tiny_dir, steps=1000), db, tiny_dir, tmp_path)
@@ -102,7 +102,7 @@ def test_randomized_chaos_run_loses_nothing(
     ray_local: Any, pg: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:
     from ops.chaos import run_chaos
-    from orchestrator.db.embedded import EmbeddedPostgres
+    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
 
     # a ceiling, as above
     driver = _driver(_config(tmp_path, tiny_dir, steps=5000), db, tiny_dir, tmp_path)

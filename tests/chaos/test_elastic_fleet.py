@@ -25,13 +25,14 @@ import sqlalchemy as sa
 from rich.console import Console
 
 from ops.bench.pipeline import Setup, config_for
-from orchestrator.buffer.invariants import check_invariants
-from orchestrator.config import RollcallConfig
-from orchestrator.db.engine import Database
-from orchestrator.runner.driver import JobDriver
-from orchestrator.services.drills import ray_node_processes
-from orchestrator.services.jobs import scale
-from orchestrator.services.nodes import drain
+from rollcall.orchestrator import procfs
+from rollcall.orchestrator.buffer.invariants import check_invariants
+from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.runner.driver import JobDriver
+from rollcall.orchestrator.services.jobs import scale
+from rollcall.orchestrator.services.nodeloss import ray_node_processes
+from rollcall.orchestrator.services.nodes import drain
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support.cluster import ray_cluster
 from tests.support.waiting import wait_for
@@ -105,7 +106,7 @@ def test_machines_come_and_go_under_a_running_job(
         at = scalar(engine, STEPS)
         wait_for(f"a step after {at}", lambda: scalar(engine, STEPS) > at, 120)
 
-    frozen: list[int] = []
+    frozen: list[tuple[int, int]] = []
     held: list[dict[str, Any]] = []  # samples the nodes held at each fault
     t = threading.Thread(target=run, daemon=True)
     try:
@@ -146,9 +147,11 @@ def test_machines_come_and_go_under_a_running_job(
             held.extend(_held(db, engine, [slot]))
             for pid, _ in ray_node_processes(machine[victim].node_id):
                 # frozen: a machine that loses power or its network answers nothing, and only
-                # Ray's health checks find it dead
-                os.kill(pid, signal.SIGSTOP if freeze else signal.SIGKILL)
-                frozen.extend([pid] if freeze else [])
+                # Ray's health checks find it dead. A process listed may be gone already (a
+                # tool call's processes live for milliseconds).
+                ident = procfs.identity(pid)
+                if procfs.signal_same(ident, signal.SIGSTOP if freeze else signal.SIGKILL):
+                    frozen.extend([ident] if freeze and ident is not None else [])
             wait_for(f"{slot} serving on {spare}", lambda: serving(slot, machine[spare]), 120)
 
         lose("B", "D", "rollout-1")  # SIGKILLed
@@ -160,7 +163,8 @@ def test_machines_come_and_go_under_a_running_job(
         held += _held(db, engine, ["rollout-0", "rollout-1"])
         for m in ("E", "F"):
             for pid, _ in ray_node_processes(machine[m].node_id):
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # gone already
+                    os.kill(pid, signal.SIGKILL)
         wait_for(
             "every slot waiting for capacity, and saying so",
             lambda: (
@@ -169,7 +173,7 @@ def test_machines_come_and_go_under_a_running_job(
             ),
             90,
         )
-        assert driver.supervisor.waiting_for_capacity() is not None  # the job waits
+        assert driver.supervisor.book.waiting_for_capacity() is not None  # the job waits
 
         # a machine joins: both slots are placed on it, the job continues without --resume
         machine["G"] = cluster.add_node(num_cpus=2, resources={"rollout": 2})
@@ -193,8 +197,8 @@ def test_machines_come_and_go_under_a_running_job(
         t.join(timeout=120)
         stuck = t.is_alive()
         driver.close()
-        for pid in frozen:
-            with_pid_gone(pid)
+        for ident in frozen:  # the processes frozen, if still there (not their pids' heirs)
+            procfs.signal_same(ident, signal.SIGKILL)
     timeline = _timeline(engine, out.getvalue())
     assert not stuck, f"the job did not stop\n{timeline}"
     assert "error" not in outcome, f"{outcome}\n{timeline}"
@@ -258,11 +262,6 @@ def _alive(node: Any) -> bool:
     import ray
 
     return any(n["NodeID"] == node.node_id and n["Alive"] for n in ray.nodes())
-
-
-def with_pid_gone(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
 
 
 def _timeline(engine: sa.Engine, printed: str) -> str:

@@ -6,7 +6,6 @@ checker passes: nothing lost, nothing trained twice, nothing beyond its stalenes
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -19,10 +18,11 @@ import pytest
 import sqlalchemy as sa
 from rich.console import Console
 
-from orchestrator.buffer.invariants import check_invariants
-from orchestrator.config import RollcallConfig
-from orchestrator.db.engine import Database
-from orchestrator.runner.driver import JobDriver, RunResult
+from rollcall.orchestrator import procfs
+from rollcall.orchestrator.buffer.invariants import check_invariants
+from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.runner.driver import JobDriver, RunResult
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support.waiting import wait_for
 
@@ -262,12 +262,12 @@ def test_hung_trainer_times_out_while_supervision_goes_on(
         update={"trainer": cfg.trainer.model_copy(update={"call_timeout_s": 15.0})}
     )
     driver = _driver(cfg, db, tiny_dir, tmp_path)
-    frozen: list[int] = []
+    frozen: list[tuple[int, int] | None] = []
 
     def freeze_rank(d: JobDriver) -> None:
         if d.step == 1 and not frozen:
             pid = d.trainer.info[0]["pid"]
-            frozen.append(pid)
+            frozen.append(procfs.identity(pid))
             os.kill(pid, signal.SIGSTOP)
             node = rows(
                 engine, "SELECT pid FROM workers WHERE role = 'rollout' AND status = 'alive'"
@@ -278,9 +278,8 @@ def test_hung_trainer_times_out_while_supervision_goes_on(
     try:
         result = _run_with(driver, lambda: None)
     finally:
-        for pid in frozen:  # ray.kill took it down; never leave a stopped process behind
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        for ident in frozen:  # ray.kill took it down; never leave a stopped process behind
+            procfs.signal_same(ident, signal.SIGKILL)  # (only if its pid is still its own)
     assert frozen and result.steps == 3
     _assert_nothing_lost(db, engine, 3)
     events = rows(engine, "SELECT kind, message FROM events ORDER BY id")
@@ -296,7 +295,7 @@ def test_hung_trainer_times_out_while_supervision_goes_on(
 def test_database_restart_mid_run_declares_nobody_dead(
     ray_local: Any, pg: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:
-    from orchestrator.db.embedded import EmbeddedPostgres
+    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
 
     cfg = _config(tmp_path, tiny_dir, steps=4, nodes=1)
     driver = _driver(cfg, db, tiny_dir, tmp_path)
@@ -345,7 +344,7 @@ def test_second_driver_is_refused_and_job_stop_ends_the_run_gracefully(
     import io
     import json
 
-    from orchestrator.errors import ConflictError
+    from rollcall.orchestrator.errors import ConflictError
 
     cfg = _config(tmp_path, tiny_dir, steps=1000, nodes=1)  # a ceiling: `job stop` ends it
 

@@ -22,8 +22,8 @@ import pytest
 import sqlalchemy as sa
 
 from ops.chaos import BusyLoops
-from orchestrator.db.engine import Database
-from orchestrator.errors import JobFailedError
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.errors import JobFailedError
 from tests.chaos.test_faults import _assert_nothing_lost, _config, _driver, _run_with
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support.waiting import wait_for

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.buffer.invariants import check_invariants
-from orchestrator.db.engine import Database
-from orchestrator.services.drills import Drills
+from rollcall.orchestrator.buffer.invariants import check_invariants
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.services.drills import Drills
 from tests.chaos.test_faults import _config, _driver
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support.cluster import ray_cluster

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.db.engine import Database
-from orchestrator.runner.driver import JobDriver
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.runner.driver import JobDriver
 from tests.chaos.test_faults import _assert_nothing_lost, _config, _driver, _run_with
 from tests.integration.buffer_helpers import rows, scalar
 from tests.integration.test_placement import timing_driver, timing_job
@@ -62,19 +62,22 @@ def test_a_crash_three_steps_past_the_checkpoint_continues_from_the_published_we
 
     def kill_rank(d: JobDriver) -> None:
         if d.step == 5 and not killed:
+            control = d.trainer_control
+            assert control is not None
+            start = control.start
+
+            def start_then_probe() -> int:
+                step = start()
+                if not probes:  # the restart: what does the new trainer hold?
+                    probe = control.trainer.publish(str(tmp_path / "probe"), 99)
+                    probes.append((step, probe))
+                return step
+
+            control.start = start_then_probe  # type: ignore[method-assign]
             pid = d.trainer.info[0]["pid"]
             killed.append(pid)
             os.kill(pid, signal.SIGKILL)
 
-    start_trainer = driver._start_trainer
-
-    def start_then_probe() -> None:
-        start_trainer()
-        if killed and not probes:  # the restart: what does the new trainer hold?
-            probe = driver.trainer.publish(str(tmp_path / "probe"), 99)
-            probes.append((driver.step, probe))
-
-    driver._start_trainer = start_then_probe  # type: ignore[method-assign]
     driver.fault_hooks["after_train"] = kill_rank
     result = _run_with(driver, lambda: None)
     assert killed and result.steps == 6
@@ -150,6 +153,6 @@ def test_a_trainer_restart_that_cannot_be_placed_is_reported_and_counted(
     assert unplaced and all("reservation is" in m for m in unplaced), failed_starts
     print(failed_starts)  # the figures, with -s
     assert "trainer restart failed: TrainerStartError" in out.getvalue()
-    from workers.trainer.group import TrainerStartError
+    from rollcall.workers.trainer.group import TrainerStartError
 
     assert isinstance(outcome.get("error"), TrainerStartError), outcome

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import sqlalchemy as sa
 
-from orchestrator.buffer.service import Buffer
-from orchestrator.buffer.types import ClaimedEpisode
-from orchestrator.config import BufferConfig
-from orchestrator.db.engine import Database
-from orchestrator.domain import TrajectoryPayload
-from orchestrator.services.tasks import register_task
+from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
+from rollcall.orchestrator.buffer.rollout import RolloutBuffer
+from rollcall.orchestrator.buffer.trainer import TrainerBuffer
+from rollcall.orchestrator.buffer.types import ClaimedEpisode
+from rollcall.orchestrator.config import BufferConfig
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.domain import TrajectoryPayload
+from rollcall.orchestrator.services.tasks import register_task
 
 
 def add_tasks(db: Database, *specs: dict[str, Any]) -> dict[str, int]:
@@ -37,8 +39,47 @@ def add_tasks(db: Database, *specs: dict[str, Any]) -> dict[str, int]:
     return ids
 
 
-def make_buffer(db: Database, **config: Any) -> Buffer:
-    return Buffer(db, 1, BufferConfig(**config))
+if TYPE_CHECKING:  # every part's methods, with their types
+
+    class _Parts(ControlPlaneBuffer, TrainerBuffer, RolloutBuffer):
+        pass
+
+else:
+    _Parts = object
+
+
+class Buffers(_Parts):
+    """The default job's buffers as its three callers hold them, for the tests that play all
+    three: ``control`` (the control plane's), ``trainer`` (the driver's trainer loop's, beside
+    ``control`` as in the driver) and ``rollout`` (a worker's, of a process of its own). An
+    attribute of this object is the one of the buffer whose caller has it, the control
+    plane's first (the methods all three share: ``event``, ``requeue_worker``, ...)."""
+
+    def __init__(self, db: Database, config: BufferConfig) -> None:
+        control = ControlPlaneBuffer(db, 1, config)
+        parts = {
+            "control": control,
+            "trainer": TrainerBuffer(db, 1, config, beside=control),
+            "rollout": RolloutBuffer(db, 1, config),
+        }
+        self.__dict__.update(parts)
+        self.__dict__["_parts"] = tuple(parts.values())
+
+    def _owner(self, name: str) -> Any:
+        for part in self._parts:
+            if hasattr(part, name):
+                return part
+        raise AttributeError(f"no buffer has {name!r}")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._owner(name), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._owner(name), name, value)
+
+
+def make_buffer(db: Database, **config: Any) -> Buffers:
+    return Buffers(db, BufferConfig(**config))
 
 
 def payload(version: int, n_tokens: int = 8, turns: int = 1, seed: int = 0) -> TrajectoryPayload:
@@ -57,14 +98,18 @@ def payload(version: int, n_tokens: int = 8, turns: int = 1, seed: int = 0) -> T
     )
 
 
-def finish(buf: Buffer, claim: ClaimedEpisode, version: int, reward: float = 1.0) -> None:
+def finish(
+    buf: RolloutBuffer | Buffers, claim: ClaimedEpisode, version: int, reward: float = 1.0
+) -> None:
     """Commit every sample of a claimed group that is not committed yet."""
     for s in claim.samples:
         if s.status != "ready":
             buf.commit(claim.lease, s.sample_index, payload(version, seed=s.sample_index), reward)
 
 
-def drain_queue(buf: Buffer, worker_id: int, version: int, limit: int = 10_000) -> list[int]:
+def drain_queue(
+    buf: RolloutBuffer | Buffers, worker_id: int, version: int, limit: int = 10_000
+) -> list[int]:
     """Claim and finish episodes until none is claimable; returns the episode ids."""
     done = []
     for _ in range(limit):

@@ -82,7 +82,7 @@ def migrate_as_migrator(rdb: RoleDatabase) -> None:
     """``rollcall db upgrade``'s migration, run as the migration role."""
     import sqlalchemy as sa
 
-    from orchestrator.db import migrate
+    from rollcall.orchestrator.db import migrate
 
     engine = sa.create_engine(rdb.migrator_url, poolclass=sa.pool.NullPool)
     try:

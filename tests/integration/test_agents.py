@@ -1,4 +1,4 @@
-"""Agent functions end to end (``workers.agents``): a job whose one task is the user's own
+"""Agent functions end to end (``rollcall.workers.episode``): a job whose one task is the user's own
 agent (``tests.support.agents``: ``steady`` through ``ctx.chat`` and the node's OpenAI endpoint
 with the ``openai`` client, ``flaky`` not deterministic), on real Ray, PostgreSQL and the tiny
 model on the ``hf`` engine. The rollout node is SIGKILLed in the middle of ``steady``'s third
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.buffer.invariants import check_invariants
-from orchestrator.config import RollcallConfig
-from orchestrator.db.engine import Database
+from rollcall.orchestrator.buffer.invariants import check_invariants
+from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.db.engine import Database
 from tests.chaos.test_faults import _driver
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support.agents import digest

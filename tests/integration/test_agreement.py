@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(600)
 
 def hf_onpolicy_is_weight(model_dir: Path, **batch: Any) -> dict[str, float]:
     """One on-policy step's metrics for the ``hf`` engine in float32 on ``model_dir``."""
-    from workers.rollout.engines.hf import HFEngine
+    from rollcall.workers.rollout.engines.hf import HFEngine
 
     engine = HFEngine(model_dir, seed=0, dtype="float32")
     return onpolicy_step_metrics(engine, model_dir, **batch)
@@ -42,7 +42,7 @@ def test_a_temperature_mismatch_moves_the_is_weight(tiny_dir: Path, ray_local: A
     weight hardly tells (it is 1 in expectation under any mismatch: measured 1.0074); the mean
     log-weight, -KL(behaviour || trainer), is clearly below 0 (-9.2e-3 measured; the tiny
     model's random logits are nearly flat, so a temperature changes them little)."""
-    from workers.rollout.engines.hf import HFEngine
+    from rollcall.workers.rollout.engines.hf import HFEngine
 
     engine = HFEngine(tiny_dir, seed=0, dtype="float32")
     m = onpolicy_step_metrics(engine, tiny_dir, trainer_temperature=0.5)
@@ -63,7 +63,7 @@ def test_a_job_whose_rollout_log_probs_disagree_warns_once(
 
     from rich.console import Console
 
-    from orchestrator.runner.driver import JobDriver
+    from rollcall.orchestrator.runner.driver import JobDriver
     from tests.integration.buffer_helpers import rows
     from tests.integration.test_job import _config
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from orchestrator.db.engine import Database, open_database
+from rollcall.orchestrator.db.engine import Database, open_database
 from tests.integration.buffer_helpers import add_tasks, finish, make_buffer, rows, scalar
 
 
@@ -102,12 +102,12 @@ def test_threads_claim_every_episode_exactly_once(
 CLAIMER = textwrap.dedent(
     """
     import json, os, sys
-    from orchestrator.db.engine import open_database
-    from orchestrator.buffer.service import Buffer
-    from orchestrator.config import BufferConfig
+    from rollcall.orchestrator.db.engine import open_database
+    from rollcall.orchestrator.buffer.rollout import RolloutBuffer
+    from rollcall.orchestrator.config import BufferConfig
     from tests.integration.buffer_helpers import finish
     db = open_database(os.environ["URL"], pool_size=1)
-    buf = Buffer(db, 1, BufferConfig(batch_groups=8))
+    buf = RolloutBuffer(db, 1, BufferConfig(batch_groups=8))
     w = buf.register_worker("proc-" + sys.argv[1])
     got = []
     while True:

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.db.engine import Database
-from orchestrator.domain import WorkerStatus
-from orchestrator.errors import StaleLeaseError
-from orchestrator.services.tasks import change_status, set_quota
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.domain import WorkerStatus
+from rollcall.orchestrator.errors import StaleLeaseError
+from rollcall.orchestrator.services.tasks import change_status, set_quota
 from tests.integration.buffer_helpers import (
     add_tasks,
     drain_queue,
@@ -44,7 +44,7 @@ def test_seeding_fills_each_task_to_its_admission_cap(db: Database, engine: sa.E
 def test_prompt_stream_neither_repeats_nor_skips_across_restarts(
     db: Database, engine: sa.Engine, db_url: str
 ) -> None:
-    from orchestrator.db.engine import open_database
+    from rollcall.orchestrator.db.engine import open_database
 
     ids = add_tasks(db, {"name": "a", "max_staleness": 0})
     make_buffer(db, batch_groups=2).seed()  # cap 2
@@ -67,7 +67,7 @@ def test_prompt_stream_neither_repeats_nor_skips_across_restarts(
     assert indexes == [0, 1, 2, 3]
     assert scalar(engine, "SELECT prompt_cursor FROM tasks WHERE id = :t", t=ids["a"]) == 4
     # The prompts are the plugin's stream at those indexes.
-    from tasks.echo import EchoSpec, EchoTask
+    from rollcall.tasks.echo import EchoSpec, EchoTask
 
     prompts = [r[0] for r in rows(engine, "SELECT prompt FROM episodes ORDER BY id")]
     assert prompts == [EchoTask().prompt(EchoSpec(group_size=2), i) for i in range(4)]
@@ -142,7 +142,7 @@ def test_fencing_rejects_stale_writes_and_changes_nothing(db: Database, engine: 
     with pytest.raises(StaleLeaseError):
         buf.commit(c1.lease, 1, payload(0), 1.0)
     with pytest.raises(StaleLeaseError):
-        buf.commit_many(c1.lease, [(0, payload(0), 1.0, None), (1, payload(0), 1.0, None)])
+        buf.commit(c1.lease, 0, payload(0), 1.0)
     assert rows(engine, "SELECT * FROM trajectories ORDER BY episode_id, sample_index") == before
     assert rows(engine, "SELECT * FROM episodes ORDER BY id") == episodes_before
     assert scalar(engine, "SELECT fenced_rejections FROM tasks WHERE id = :t", t=ids["a"]) == 3
@@ -158,7 +158,7 @@ def test_fencing_rejects_stale_writes_and_changes_nothing(db: Database, engine: 
 
 
 def test_commit_results_report_what_was_written(db: Database) -> None:
-    """What ``commit`` and ``commit_many`` report; the write rules behind them (no overwrite,
+    """What ``commit`` reports; the write rules behind them (no overwrite,
     group completion, idempotent re-commit) are tested in test_sample_writes.py."""
     add_tasks(db, {"name": "a", "group_size": 3})
     buf = make_buffer(db, batch_groups=1)
@@ -170,12 +170,12 @@ def test_commit_results_report_what_was_written(db: Database) -> None:
     assert (r1.committed, r1.already, r1.group_done) == ((0,), (), False)
     r2 = buf.commit(c.lease, 0, payload(0), 0.0)  # retried commit: no change
     assert (r2.committed, r2.already, r2.group_done) == ((), (0,), False)
-    r3 = buf.commit_many(c.lease, [(0, payload(0), 1.0, None), (1, payload(0), 0.5, None)])
-    assert (r3.committed, r3.already, r3.group_done) == ((1,), (0,), False)
-    r4 = buf.commit_many(c.lease, [(1, payload(0), 0.5, None), (2, payload(0), 0.5, None)])
-    assert (r4.committed, r4.already, r4.group_done) == ((2,), (1,), True)
-    r5 = buf.commit_many(c.lease, [(0, payload(0), 1.0, None), (2, payload(0), 0.5, None)])
-    assert (r5.committed, r5.already, r5.group_done) == ((), (0, 2), True)  # after completion
+    r3 = buf.commit(c.lease, 1, payload(0), 0.5)
+    assert (r3.committed, r3.already, r3.group_done) == ((1,), (), False)
+    r4 = buf.commit(c.lease, 2, payload(0), 0.5)  # the group's last sample completes it
+    assert (r4.committed, r4.already, r4.group_done) == ((2,), (), True)
+    r5 = buf.commit(c.lease, 0, payload(0), 1.0)
+    assert (r5.committed, r5.already, r5.group_done) == ((), (0,), True)  # after completion
     r6 = buf.commit(c.lease, 1, payload(0), 0.5)
     assert (r6.committed, r6.already, r6.group_done) == ((), (1,), True)
 
@@ -299,11 +299,11 @@ def test_heartbeat_renews_leases_and_reports_lost_ones(db: Database, engine: sa.
     c1, c2 = buf.claim(w.id), buf.claim(w.id)
     assert c1 is not None and c2 is not None
     before = scalar(engine, "SELECT max(lease_expires_at) FROM episodes")
-    held = buf.heartbeat(w.id, tokens_generated=5)
-    assert sorted(held) == sorted(
+    alive, held = buf.beat(w.id, tokens_generated=5)
+    assert alive and sorted(held) == sorted(
         [(c1.lease.episode_id, c1.lease.epoch), (c2.lease.episode_id, c2.lease.epoch)]
     )
     assert scalar(engine, "SELECT max(lease_expires_at) FROM episodes") > before
     assert scalar(engine, "SELECT tokens_generated FROM workers WHERE id = :w", w=w.id) == 5
     buf.requeue_worker(w.id, WorkerStatus.DEAD)
-    assert buf.heartbeat(w.id) == []  # a dead worker holds nothing and is told so
+    assert buf.beat(w.id) == (False, [])  # a dead worker holds nothing and is told so

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.buffer.service import Buffer
-from orchestrator.db.engine import Database
-from orchestrator.domain import TrajectoryPayload
-from orchestrator.errors import ConflictError
-from orchestrator.quotas import batch_shares
-from orchestrator.services.tasks import change_status
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.domain import TrajectoryPayload
+from rollcall.orchestrator.errors import ConflictError
+from rollcall.orchestrator.quotas import batch_shares
+from rollcall.orchestrator.services.tasks import change_status
 from tests.integration.buffer_helpers import (
+    Buffers,
     add_tasks,
     drain_queue,
     episode_end_states,
@@ -112,11 +112,11 @@ def test_trainer_failure_between_claim_and_commit_replays_the_same_batch(
 TRAINER = textwrap.dedent(
     """
     import os, sys, time
-    from orchestrator.db.engine import open_database
-    from orchestrator.buffer.service import Buffer
-    from orchestrator.config import BufferConfig
+    from rollcall.orchestrator.db.engine import open_database
+    from rollcall.orchestrator.buffer.trainer import TrainerBuffer
+    from rollcall.orchestrator.config import BufferConfig
     db = open_database(os.environ["URL"])
-    buf = Buffer(db, 1, BufferConfig(batch_groups=3))
+    buf = TrainerBuffer(db, 1, BufferConfig(batch_groups=3))
     batch = buf.claim_batch(0)
     print(",".join(str(g.episode_id) for g in batch.groups), flush=True)
     time.sleep(600)  # "training": killed here, before commit_step
@@ -208,7 +208,7 @@ def test_staleness_bound_per_task_and_expiry_requeues(db: Database, engine: sa.E
     assert bad == 0
 
 
-def _feed(buf: Buffer, w: int, version: int) -> None:
+def _feed(buf: Buffers, w: int, version: int) -> None:
     buf.seed()
     drain_queue(buf, w, version)
 
@@ -334,7 +334,7 @@ def test_every_episode_ends_exactly_once(db: Database, engine: sa.Engine) -> Non
 def test_retire_expires_untrained_groups_and_waits_for_the_trainer(
     db: Database, engine: sa.Engine
 ) -> None:
-    from orchestrator.services.tasks import retire_task
+    from rollcall.orchestrator.services.tasks import retire_task
 
     ids = add_tasks(db, {"name": "a", "group_size": 1, "max_staleness": 3})
     buf = make_buffer(db, batch_groups=2)
@@ -415,9 +415,9 @@ def test_group_without_a_generated_token_ends_quarantined(db: Database, engine: 
     w = buf.register_worker("r0")
     one, two = buf.claim(w.id), buf.claim(w.id)
     assert one is not None and two is not None
-    for s in one.samples:  # one statement per sample (rollcall_write_sample)
-        buf.commit(one.lease, s.sample_index, _prompt_only(), 0.0)
-    buf.commit_many(two.lease, [(s.sample_index, _prompt_only(), 0.0, None) for s in two.samples])
+    for c in (one, two):  # one statement per sample (rollcall_write_sample)
+        for s in c.samples:
+            buf.commit(c.lease, s.sample_index, _prompt_only(), 0.0)
     stuck = [one.lease.episode_id, two.lease.episode_id]
 
     # the scheduled expiry pass and the trainer's claim (waiting for a full batch) end them
@@ -442,7 +442,7 @@ def test_group_without_a_generated_token_ends_quarantined(db: Database, engine: 
         )
         == 0
     )
-    from orchestrator.buffer.invariants import check_invariants
+    from rollcall.orchestrator.buffer.invariants import check_invariants
 
     assert check_invariants(db, 1).ok
     # the admission slots are free again: seeding tops the task up by the two groups

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.db import migrate
+from rollcall.orchestrator.db import migrate
 from tests.conftest import unchanged
 
 
@@ -441,8 +441,8 @@ def test_numeric_options_at_their_bounds_are_accepted(cli: Any) -> None:
 
 
 def _job_with_config(db: Any, **config: Any) -> None:
-    from orchestrator.config import RollcallConfig
-    from orchestrator.services.jobs import create_job
+    from rollcall.orchestrator.config import RollcallConfig
+    from rollcall.orchestrator.services.jobs import create_job
 
     cfg = RollcallConfig.model_validate({"job": {"name": "tight"}, **config})
     with db.transaction() as tx:
@@ -481,10 +481,10 @@ def test_a_run_whose_config_the_jobs_other_tasks_would_stall_is_refused(
     cli: Any, db: Any, db_url: str
 ) -> None:
     # registered from the command line while the job published after every step
-    from orchestrator.config import TaskConfig
-    from orchestrator.errors import ConflictError
-    from orchestrator.quotas import BatchPolicy
-    from orchestrator.services.tasks import ensure_tasks
+    from rollcall.orchestrator.config import TaskConfig
+    from rollcall.orchestrator.errors import ConflictError
+    from rollcall.orchestrator.quotas import BatchPolicy
+    from rollcall.orchestrator.services.tasks import ensure_tasks
 
     _job_with_config(db, buffer={"batch_groups": 8})
     job = ["--job", "tight"]

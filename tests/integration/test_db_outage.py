@@ -15,11 +15,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.buffer.service import Buffer, DeadWorker
-from orchestrator.db import retry
-from orchestrator.db.embedded import EmbeddedPostgres
-from orchestrator.db.engine import Database, open_database
-from tests.integration.buffer_helpers import add_tasks, make_buffer, rows
+from rollcall.orchestrator.buffer.control import ControlPlaneBuffer, DeadWorker
+from rollcall.orchestrator.buffer.rollout import RolloutBuffer
+from rollcall.orchestrator.config import BufferConfig
+from rollcall.orchestrator.db import retry
+from rollcall.orchestrator.db.embedded import EmbeddedPostgres
+from rollcall.orchestrator.db.engine import Database, open_database
+from tests.integration.buffer_helpers import add_tasks, rows
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -48,7 +50,7 @@ def prompt_retries(monkeypatch: pytest.MonkeyPatch) -> None:
 class ControlPlane:
     """The driver's sweeps, on a thread of their own, as its scheduler runs them."""
 
-    def __init__(self, buf: Buffer) -> None:
+    def __init__(self, buf: ControlPlaneBuffer) -> None:
         self.buf = buf
         self.dead: list[DeadWorker] = []
         self.errors: list[BaseException] = []
@@ -77,11 +79,12 @@ def test_outage_longer_than_the_heartbeat_timeout_declares_nobody_dead_nor_expir
     db: Database, db_url: str, engine: sa.Engine, server: EmbeddedPostgres, prompt_retries: None
 ) -> None:
     add_tasks(db, {"name": "t", "max_inflight": 8})
-    control = make_buffer(db, lease_s=LEASE_S, retry_window_s=5.0)
+    config = BufferConfig(lease_s=LEASE_S, retry_window_s=5.0)
+    control = ControlPlaneBuffer(db, 1, config)
     control.seed()
     node_db = open_database(db_url)  # the nodes' own connections, as in their processes
     try:
-        node = make_buffer(node_db, lease_s=LEASE_S, retry_window_s=5.0)
+        node = RolloutBuffer(node_db, 1, config)
         late, gone = node.register_worker("late"), node.register_worker("gone")
         late_claim, gone_claim = node.claim(late.id), node.claim(gone.id)
         assert late_claim is not None and gone_claim is not None
@@ -122,11 +125,12 @@ def test_a_database_restart_is_recorded_as_one_outage_event(
     db: Database, db_url: str, engine: sa.Engine, server: EmbeddedPostgres
 ) -> None:
     add_tasks(db, {"name": "t", "max_inflight": 8})
-    control = make_buffer(db, retry_window_s=20.0)
-    control.record_outages = True  # the driver's Buffer records them
+    control = ControlPlaneBuffer(db, 1, BufferConfig(retry_window_s=20.0))
+    control.record_outages = True  # the driver's control plane records them
     node_db = open_database(db_url)
     try:
-        node = make_buffer(node_db, retry_window_s=20.0)  # a node's: logs, records nothing
+        # a node's: logs, records nothing
+        node = RolloutBuffer(node_db, 1, BufferConfig(retry_window_s=20.0))
         w = node.register_worker("r0")
         stop = threading.Event()
 
@@ -171,9 +175,9 @@ def test_a_database_restart_is_recorded_as_one_outage_event(
     assert payload["began_at"] < payload["ended_at"]
     # the control plane's calls that met the outage: whichever sweep was due (the one that
     # met it first retries until the server is back, the other may never fail)
-    sweeps = {"Buffer.sweep_dead_workers", "Buffer.sweep_expired_leases"}
+    sweeps = {"ControlPlaneBuffer.sweep_dead_workers", "ControlPlaneBuffer.sweep_expired_leases"}
     assert sweeps & set(payload["operations"]), payload
-    assert "Buffer.beat" not in payload["operations"]  # the node's own, not this process's
+    assert "RolloutBuffer.beat" not in payload["operations"]  # the node's own, not this process's
     assert message.startswith("database unavailable for ")
 
 
@@ -182,10 +186,10 @@ def test_a_sweep_after_a_stall_says_so_in_the_log(
 ) -> None:
     """A gap between two dead-worker sweeps longer than half the heartbeat timeout (the driver
     or the database stalled) postpones every death declaration: the driver.log says so."""
-    control = make_buffer(db)
+    control = ControlPlaneBuffer(db, 1)
     control.sweep_dead_workers(HEARTBEAT_TIMEOUT_S, 600.0)
     time.sleep(HEARTBEAT_TIMEOUT_S / 2 + 0.5)
-    with caplog.at_level("WARNING", logger="orchestrator.buffer.service"):
+    with caplog.at_level("WARNING", logger="rollcall.orchestrator.buffer.control"):
         control.sweep_dead_workers(HEARTBEAT_TIMEOUT_S, 600.0)
         control.sweep_dead_workers(HEARTBEAT_TIMEOUT_S, 600.0)  # no gap: no line
     lines = [r.getMessage() for r in caplog.records if "dead-worker sweep" in r.getMessage()]

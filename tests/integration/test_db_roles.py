@@ -16,9 +16,9 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.buffer.invariants import check_invariants
-from orchestrator.db.engine import open_database
-from orchestrator.domain import WorkerStatus
+from rollcall.orchestrator.buffer.invariants import check_invariants
+from rollcall.orchestrator.db.engine import open_database
+from rollcall.orchestrator.domain import WorkerStatus
 from tests.conftest import PgServer, make_cli_runner
 from tests.integration.buffer_helpers import add_tasks, drain_queue, make_buffer, payload
 from tests.integration.roles import (
@@ -127,7 +127,7 @@ def test_runtime_role_runs_a_job_s_database_work_and_is_refused_ddl(
         assert claim is not None
         buf.checkpoint(claim.lease, 0, payload(0, turns=1))
         buf.checkpoint(claim.lease, 0, payload(0, turns=1, seed=1))  # replaces the segment
-        buf.heartbeat(w.id, tokens_generated=8, loaded_version=0)
+        buf.beat(w.id, tokens_generated=8, loaded_version=0)
         buf.release(claim.lease, "the rollout failed")  # requeued, resumed below
         assert len(drain_queue(buf, w.id, version=0)) >= 2
         batch = buf.claim_batch(0, min_groups=2)

@@ -15,7 +15,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from orchestrator.db.embedded import EmbeddedPostgres
+from rollcall.orchestrator.db.embedded import EmbeddedPostgres
 from tests.conftest import short_tmpdir
 
 
@@ -85,7 +85,7 @@ CLIENT = textwrap.dedent(
     """
     import sys, time, psycopg
     from pathlib import Path
-    from orchestrator.db.embedded import EmbeddedPostgres
+    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
     s = EmbeddedPostgres(Path(sys.argv[1]))
     s.ensure_running()
     conn = psycopg.connect(host=str(s.socket_dir), port=5432, user="postgres", dbname="rollcall")
@@ -137,7 +137,7 @@ def test_restarts_after_postmaster_sigkill(home: Path) -> None:
 
 
 def test_concurrent_first_use_starts_one_server(home: Path) -> None:
-    code = "import sys; from pathlib import Path; from orchestrator.db.embedded import EmbeddedPostgres; print(EmbeddedPostgres(Path(sys.argv[1])).ensure_running())"
+    code = "import sys; from pathlib import Path; from rollcall.orchestrator.db.embedded import EmbeddedPostgres; print(EmbeddedPostgres(Path(sys.argv[1])).ensure_running())"
     procs = [
         subprocess.Popen([sys.executable, "-c", code, str(home)], stdout=subprocess.PIPE, text=True)
         for _ in range(3)
@@ -154,7 +154,7 @@ def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "ROLLCALL_DATABASE_URL"}
     env["ROLLCALL_HOME"] = str(home)
     return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
+        [sys.executable, "-m", "rollcall.orchestrator.cli", *args],
         env=env,
         capture_output=True,
         text=True,

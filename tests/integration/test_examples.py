@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.buffer.invariants import check_invariants
-from orchestrator.config import load_config
-from orchestrator.db.engine import Database
+from rollcall.orchestrator.buffer.invariants import check_invariants
+from rollcall.orchestrator.config import load_config
+from rollcall.orchestrator.db.engine import Database
 from tests.chaos.test_faults import _driver
 from tests.integration.buffer_helpers import scalar
 

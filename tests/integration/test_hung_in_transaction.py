@@ -22,10 +22,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import OperationalError
 
-from orchestrator import procfs
-from orchestrator.buffer.service import DeadWorker
-from orchestrator.db.engine import Database
-from orchestrator.services.drills import Drills
+from rollcall.orchestrator import procfs
+from rollcall.orchestrator.buffer.control import DeadWorker
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.services.drills import Drills
 from tests.integration.buffer_helpers import make_buffer
 from tests.support.waiting import wait_for
 
@@ -37,7 +37,7 @@ HEARTBEAT_TIMEOUT_S = 4.0  # control_plane.heartbeat_timeout_s, and the node's i
 # before the commit
 HANG_IN_HEARTBEAT = """
 import os, signal, sys
-from workers.rollout.node import NodeConfig, node_database
+from rollcall.workers.rollout.node import NodeConfig, node_database
 url, worker_id, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 config = NodeConfig(name="hung", model_dir="-", db_idle_tx_timeout_s=timeout_s)
 db = node_database(url, config, connections=1)

@@ -12,9 +12,9 @@ import pytest
 import sqlalchemy as sa
 from rich.console import Console
 
-from orchestrator.config import RollcallConfig
-from orchestrator.db.engine import Database
-from orchestrator.runner.driver import JobDriver, RunResult
+from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.runner.driver import JobDriver, RunResult
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support import trackers as read_trackers
 
@@ -74,7 +74,7 @@ def _check_invariants(
     engine: sa.Engine, steps: int, max_staleness: dict[str, int], db: Database | None = None
 ) -> None:
     if db is not None:
-        from orchestrator.buffer.invariants import check_invariants
+        from rollcall.orchestrator.buffer.invariants import check_invariants
 
         job_id = scalar(engine, "SELECT id FROM jobs WHERE name = 'e2e'")
         report = check_invariants(db, job_id)
@@ -111,7 +111,7 @@ def _check_invariants(
 
 def _invariant_checker_catches_tampering(db: Database, engine: sa.Engine) -> None:
     """Each check fails on a state that breaks its invariant (then the state is restored)."""
-    from orchestrator.buffer.invariants import check_invariants
+    from rollcall.orchestrator.buffer.invariants import check_invariants
 
     job_id = scalar(engine, "SELECT id FROM jobs WHERE name = 'e2e'")
     consumed = scalar(engine, "SELECT min(id) FROM episodes WHERE consumed_step IS NOT NULL")
@@ -122,7 +122,7 @@ def _invariant_checker_catches_tampering(db: Database, engine: sa.Engine) -> Non
         "WHERE step = 0",
         "inflight_cap": "UPDATE tasks SET max_inflight = 0",
     }
-    from orchestrator.db.repos.invariants import CHECKS
+    from rollcall.orchestrator.db.repos.invariants import CHECKS
 
     for check, sql in tampering.items():
         with engine.connect() as conn:
@@ -201,7 +201,7 @@ def test_stopped_job_resumes_from_its_last_step(
     }
     first = _run(_config(tmp_path, tiny_dir, total_steps=2, **tracked), db, tiny_dir, tmp_path)
     assert first.steps == 2
-    from orchestrator.errors import ConflictError
+    from rollcall.orchestrator.errors import ConflictError
 
     with pytest.raises(ConflictError, match="--resume"):
         _run(_config(tmp_path, tiny_dir, total_steps=4), db, tiny_dir, tmp_path)

@@ -5,11 +5,14 @@ may be another process, which is then SIGKILLed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,12 +21,13 @@ import pytest
 import sqlalchemy as sa
 from rich.console import Console
 
-from orchestrator.buffer.service import Buffer
-from orchestrator.config import BufferConfig, RollcallConfig
-from orchestrator.db.engine import Database
-from orchestrator.errors import ConflictError
-from orchestrator.runner.driver import JobDriver
-from tests.integration.buffer_helpers import add_tasks, drain_queue, rows, scalar
+from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
+from rollcall.orchestrator.buffer.rollout import RolloutBuffer
+from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.errors import ConflictError
+from rollcall.orchestrator.runner.driver import JobDriver
+from tests.integration.buffer_helpers import add_tasks, drain_queue, make_buffer, rows, scalar
 from tests.support.waiting import wait_for
 
 REFUSED = r"job 'life' is already running under another driver .*rollcall job stop life"
@@ -72,7 +76,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from orchestrator.db.engine import open_database
+    from rollcall.orchestrator.db.engine import open_database
     from tests.integration.test_job_lifecycle import config, make_driver
 
     url, tmp = sys.argv[1], Path(sys.argv[2])
@@ -112,8 +116,8 @@ def test_second_driver_is_refused_until_the_first_driver_dies(
         assert any(line.strip() == "held" for line in lines), "the first driver did not set up"
         # the first driver's work: a live rollout node holding an episode
         job_id = scalar(engine, "SELECT id FROM jobs WHERE name = 'life'")
-        buf = Buffer(db, job_id, cfg.buffer)
-        buf.seed()
+        ControlPlaneBuffer(db, job_id, cfg.buffer).seed()
+        buf = RolloutBuffer(db, job_id, cfg.buffer)
         node = buf.register_worker("rollout-0")
         assert buf.claim(node.id) is not None
         before = table_rows(engine)
@@ -127,19 +131,37 @@ def test_second_driver_is_refused_until_the_first_driver_dies(
         assert table_rows(engine) == before  # the first driver's node is alive, its lease held
         refused = rows(engine, "SELECT message FROM events WHERE kind = 'job.driver_refused'")
         assert len(refused) == 1 and f"pid {first.pid}" in refused[0][0]
+        # PostgreSQL's backend of the first driver's lock, stopped: once the driver is killed,
+        # its lock stays held until the backend reads the end of its socket, as on a busy
+        # machine (seen in CI: a driver restarted at once was refused by a dead one's lock)
+        backend = int(
+            scalar(
+                engine,
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                "AND objid = :j AND objsubid = 2",
+                j=job_id,
+            )
+        )
+        os.kill(backend, signal.SIGSTOP)
     finally:
         first.kill()  # SIGKILL: no close(), nothing written at its end
         first.wait(timeout=60)
+    resumed = threading.Timer(2.0, os.kill, (backend, signal.SIGCONT))
+    resumed.start()
 
     third = make_driver(cfg, db, tmp_path, resume=True)
     try:
-        third.setup()  # accepted: the lock died with the first driver's connection
+        # accepted: its lock died with the first driver's connection, once PostgreSQL saw it
+        third.setup()
         job = rows(engine, "SELECT status::text, driver_epoch FROM jobs WHERE name = 'life'")[0]
         assert job == ("running", 2)
         # only now is the previous run recovered: its node declared dead, its lease requeued
         assert scalar(engine, "SELECT status::text FROM workers WHERE id = :w", w=node.id) == "dead"
         assert scalar(engine, "SELECT count(*) FROM episodes WHERE status = 'leased'") == 0
     finally:
+        resumed.cancel()
+        with contextlib.suppress(ProcessLookupError):  # it ended once it ran again
+            os.kill(backend, signal.SIGCONT)
         third.close()
     assert scalar(engine, "SELECT status::text FROM jobs WHERE name = 'life'") == "stopped"
     kinds = [k for (k,) in rows(engine, "SELECT kind FROM events ORDER BY id")]
@@ -152,7 +174,7 @@ def test_step_commits_and_claims_are_fenced_by_the_driver_epoch(
     """A driver that lost its job to another (its lock dropped with a database restart and a
     second driver took the job) cannot claim or commit a step, even without the lock."""
     add_tasks(db, {"name": "a", "group_size": 2})
-    buf = Buffer(db, 1, BufferConfig(batch_groups=2))
+    buf = make_buffer(db, batch_groups=2)
     buf.driver_epoch = scalar(engine, "SELECT driver_epoch FROM jobs WHERE id = 1")
     buf.seed()
     w = buf.register_worker("r0")
@@ -213,7 +235,7 @@ def test_job_stop_reaches_the_driver_and_db_stop_refuses_while_it_runs(
 def test_driver_takes_its_lock_again_after_a_database_restart(
     db: Database, engine: sa.Engine, pg: Any, tmp_path: Path
 ) -> None:
-    from orchestrator.db.embedded import EmbeddedPostgres
+    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
 
     cfg = config(tmp_path)
     driver = make_driver(cfg, db, tmp_path)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.db import jsontext
-from orchestrator.db.engine import Database
-from orchestrator.domain import TrajectoryPayload
+from rollcall.orchestrator.db import jsontext
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.domain import TrajectoryPayload
 from tests.integration.buffer_helpers import add_tasks, make_buffer, payload, scalar
 
 NASTY = [

@@ -17,11 +17,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from orchestrator.db.engine import Database, normalise_url
-from orchestrator.domain import SLOT_STATES
-from orchestrator.runner.driver import JobDriver
-from orchestrator.runner.metrics import DRILLS, JOB, METRICS, MetricsExporter
-from orchestrator.settings import resolve_database
+from rollcall.orchestrator.db.engine import Database, normalise_url
+from rollcall.orchestrator.domain import SLOT_STATES
+from rollcall.orchestrator.runner.driver import JobDriver
+from rollcall.orchestrator.runner.metrics import DRILLS, JOB, METRICS, MetricsExporter
+from rollcall.orchestrator.settings import resolve_database
 from tests.integration.buffer_helpers import add_tasks, drain_queue, finish, make_buffer, rows
 
 STATES = {"queued", "leased", "ready", "claimed", "consumed", "expired", "quarantined"}
@@ -96,7 +96,7 @@ def _state(db: Database) -> Any:
     buf.commit_step(0, metrics={"reward/a": 0.5, "train_s": 1.0})
     held = buf.claim(w.id)
     assert held is not None
-    buf.heartbeat(w.id, tokens_generated=64, loaded_version=1)
+    buf.beat(w.id, tokens_generated=64, loaded_version=1)
     for passed, lost in ((True, 0), (False, 2)):
         buf.event(
             "drill.completed",
@@ -220,7 +220,7 @@ def test_exporter_matches_the_catalogue_and_the_buffer(db: Database, engine: sa.
 def test_metrics_scraped_during_a_short_job(
     ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:
-    from orchestrator.services.status import status_document
+    from rollcall.orchestrator.services.status import status_document
     from tests.integration.test_job import _config
 
     cfg = _config(tmp_path, tiny_dir, total_steps=3)

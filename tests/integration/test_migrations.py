@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.db import migrate
-from orchestrator.db.engine import open_database
-from orchestrator.errors import SchemaError
+from rollcall.orchestrator.db import migrate
+from rollcall.orchestrator.db.engine import open_database
+from rollcall.orchestrator.errors import SchemaError
 
 TABLES = {"jobs", "tasks", "workers", "episodes", "trajectories", "train_steps", "events"}
 

@@ -9,7 +9,7 @@ import threading
 
 import sqlalchemy as sa
 
-from workers.rollout.node import NodeConfig, node_database
+from rollcall.workers.rollout.node import NodeConfig, node_database
 
 
 def test_a_node_pool_holds_db_connections_and_its_callers_wait(db_url: str) -> None:

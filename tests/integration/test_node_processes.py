@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from orchestrator import procfs
-from orchestrator.services.drills import RayNodeWatch, find_ray_node, ray_node_processes
+from rollcall.orchestrator import procfs
+from rollcall.orchestrator.services.nodeloss import RayNodeWatch, find_ray_node, ray_node_processes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -35,7 +35,6 @@ HEALTH_CHECKS = {
 def cluster() -> Iterator[Any]:
     from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     c = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": HEALTH_CHECKS},

@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-from orchestrator.buffer.service import Buffer
-from orchestrator.config import BufferConfig
-from orchestrator.db.engine import Database
-from orchestrator.runner.driver import NODE_REPORT_WAIT_S
-from orchestrator.runner.supervisor import Supervisor
+from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
+from rollcall.orchestrator.config import BufferConfig
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.runner.nodes import NODE_REPORT_WAIT_S
+from rollcall.orchestrator.runner.supervisor import Supervisor
+from rollcall.workers.rollout.node import NodeConfig, rollout_actor
 from tests.chaos.test_faults import _config, _driver
 from tests.support.waiting import wait_for
-from workers.rollout.node import NodeConfig, rollout_actor
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(300)
 def test_a_frozen_node_holds_up_one_steps_reports_and_no_others(
     ray_local: Any, tiny_dir: Path, db: Database, db_url: str, tmp_path: Path
 ) -> None:
-    buffer = Buffer(db, 1, BufferConfig())
+    buffer = ControlPlaneBuffer(db, 1, BufferConfig())
 
     def start(index: int) -> Any:
         config = NodeConfig(name=f"rollout-{index}", model_dir=str(tiny_dir), concurrency=1)
@@ -45,20 +45,21 @@ def test_a_frozen_node_holds_up_one_steps_reports_and_no_others(
 
         def up() -> bool:
             supervisor.check()
-            return len(supervisor.actors) == 2
+            return len(supervisor.book.actors) == 2
 
         wait_for("both nodes up", up)
         driver = _driver(_config(tmp_path, tiny_dir, steps=1), db, tiny_dir, tmp_path)
         driver.supervisor = supervisor
         keys = {"weight_load_s_max", "node_versions_min", "tokens_generated"}
-        assert set(driver._node_metrics()) == keys and not driver._unanswered  # both answered
+        # both answered
+        assert set(driver._node_metrics()) == keys and not driver.node_reports.unanswered
 
         pids = {w["name"]: int(w["pid"]) for w in buffer.node_health()}
         frozen = pids["rollout-1"]
         os.kill(frozen, signal.SIGSTOP)
         # the step after the freeze: waits for the frozen node, and has the other's figures
         first = driver._node_metrics()
-        assert set(first) == keys and len(driver._unanswered) == 1
+        assert set(first) == keys and len(driver.node_reports.unanswered) == 1
         # the next steps: the frozen node still owes its report and is not waited for again
         t0 = time.monotonic()
         for _ in range(3):
@@ -69,7 +70,8 @@ def test_a_frozen_node_holds_up_one_steps_reports_and_no_others(
         os.kill(frozen, signal.SIGCONT)
         frozen = None
         wait_for(
-            "the thawed node answering", lambda: driver._node_metrics() and not driver._unanswered
+            "the thawed node answering",
+            lambda: driver._node_metrics() and not driver.node_reports.unanswered,
         )
     finally:
         if frozen is not None:

@@ -16,14 +16,15 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from orchestrator.buffer.service import Buffer
-from orchestrator.config import BufferConfig, TimingEngineConfig
-from orchestrator.db.engine import Database
-from orchestrator.services.tasks import register_task
+from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
+from rollcall.orchestrator.buffer.rollout import RolloutBuffer
+from rollcall.orchestrator.config import BufferConfig, TimingEngineConfig
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.services.tasks import register_task
+from rollcall.workers.episode.loop import Limits
+from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.rollout.node import NodeConfig, RolloutNode
 from tests.integration.buffer_helpers import rows, scalar
-from workers.rollout.agent import Limits
-from workers.rollout.node import NodeConfig, RolloutNode
-from workers.rollout.tools import ToolRunner
 
 SCALE = 0.02  # real seconds per simulated second
 
@@ -86,7 +87,7 @@ def test_a_groups_samples_run_in_parallel_and_the_node_does_not_hoard(
         node.stop()
     assert report["episodes_committed"] == 3 and report["samples_committed"] == 12
     # the four samples of a group generate at once on the four loops ...
-    assert node.base_engine.peak_in_flight == 4  # type: ignore[attr-defined]
+    assert node.host.base.peak_in_flight == 4  # type: ignore[attr-defined]
     # ... and the node holds one group at a time (two while the next one starts), where one
     # loop per episode would have leased all three at once
     assert max(leased) <= 2
@@ -111,8 +112,8 @@ def test_a_claim_carries_the_published_weights_loaded_before_the_rollout(
     tiny_dir: Path, db: Database, db_url: str, engine: sa.Engine, tmp_path: Path
 ) -> None:
     _task(db, group_size=1, turns=2)
-    buf = Buffer(db, 1, BufferConfig(batch_groups=1))
-    buf.seed()
+    ControlPlaneBuffer(db, 1, BufferConfig(batch_groups=1)).seed()
+    buf = RolloutBuffer(db, 1, BufferConfig(batch_groups=1))
     node = _node(db_url, tiny_dir, concurrency=1)
     assert node.version() == 0
     # a version is published after the node started (and its heartbeat is far away)
@@ -142,7 +143,7 @@ def test_an_episode_admitted_during_a_heartbeat_is_not_taken_for_lost(
     lost. (Marking it lost made the node drop the episode at its first turn while still
     holding and renewing the lease: a sync job waited for that group forever.)"""
     _task(db, group_size=2)
-    Buffer(db, 1, BufferConfig(batch_groups=1)).seed()
+    ControlPlaneBuffer(db, 1, BufferConfig(batch_groups=1)).seed()
     node = _node(db_url, tiny_dir, concurrency=2)
     beat = node.buffer.beat
     admitted: list[tuple[int, int]] = []
@@ -151,16 +152,17 @@ def test_an_episode_admitted_during_a_heartbeat_is_not_taken_for_lost(
         result = beat(*args, **kw)  # the leases as of now: none
         claim = node.buffer.claim(node.worker.id)  # a loop claims meanwhile
         assert claim is not None
-        node._admit(claim)
+        node.scheduler.admit(claim)
         admitted.append((claim.lease.episode_id, claim.lease.epoch))
         return result
 
     node.buffer.beat = beat_then_admit  # type: ignore[method-assign]
-    node._beat_once()
+    node.heartbeat.beat()
     node.buffer.beat = beat  # type: ignore[method-assign]
-    assert admitted and admitted[0] in node._active and admitted[0] not in node._lost
-    node._beat_once()  # the next beat sees the lease: still not lost
-    assert admitted[0] not in node._lost
+    assert admitted and node.leases.works_on(admitted[0])
+    assert not node.leases.is_lost(admitted[0])
+    node.heartbeat.beat()  # the next beat sees the lease: still not lost
+    assert not node.leases.is_lost(admitted[0])
     node.stop()
 
 
@@ -168,16 +170,17 @@ def test_an_episode_dropped_as_lost_while_still_held_goes_back_to_the_queue(
     tiny_dir: Path, db: Database, db_url: str, engine: sa.Engine
 ) -> None:
     _task(db, group_size=1)
-    Buffer(db, 1, BufferConfig(batch_groups=1)).seed()
+    ControlPlaneBuffer(db, 1, BufferConfig(batch_groups=1)).seed()
     node = _node(db_url, tiny_dir, concurrency=1)
     claim = node.buffer.claim(node.worker.id)
     assert claim is not None
-    job = node._admit(claim)
+    job = node.scheduler.admit(claim)
     assert job is not None
-    node._lost.add((claim.lease.episode_id, claim.lease.epoch))  # wrongly taken for lost
+    node.leases.lose((claim.lease.episode_id, claim.lease.epoch))  # wrongly taken for lost
     runner = ToolRunner(timeout_s=5)
     try:
-        node._run_sample(*job, runner)  # the first turn's checkpoint gives the episode up
+        # the first turn's checkpoint gives the episode up
+        node.scheduler.run_sample(*job, runner)
     finally:
         runner.close()
     node.stop()

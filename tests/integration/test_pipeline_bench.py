@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from ops.bench.pipeline import Setup, run_job
-from orchestrator.buffer.invariants import check_invariants
-from orchestrator.db.engine import Database
+from rollcall.orchestrator.buffer.invariants import check_invariants
+from rollcall.orchestrator.db.engine import Database
 from tests.conftest import PgServer
 from tests.integration.buffer_helpers import scalar
 

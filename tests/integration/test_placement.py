@@ -17,10 +17,10 @@ import sqlalchemy as sa
 from rich.console import Console
 
 from ops.bench.pipeline import Setup, config_for
-from orchestrator.config import RollcallConfig
-from orchestrator.db.engine import Database
-from orchestrator.errors import UserError
-from orchestrator.runner.driver import JobDriver
+from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.errors import UserError
+from rollcall.orchestrator.runner.driver import JobDriver
 from tests.integration.buffer_helpers import rows, scalar
 
 pytestmark = pytest.mark.timeout(420)

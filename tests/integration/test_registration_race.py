@@ -9,14 +9,14 @@ import time
 
 import sqlalchemy as sa
 
-from orchestrator.db.engine import Database
-from orchestrator.services.tasks import register_task
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.services.tasks import register_task
 
 
 def _rollcall(db_url: str, *args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "ROLLCALL_DATABASE_URL": db_url}
     return subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", *args],
+        [sys.executable, "-m", "rollcall.orchestrator.cli", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.db.engine import Database
-from orchestrator.domain import TaskStatus
-from orchestrator.errors import ConflictError
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.domain import TaskStatus
+from rollcall.orchestrator.errors import ConflictError
 
 
 def _insert_trajectory(engine: sa.Engine, task_id: int, sample: int = 0) -> None:

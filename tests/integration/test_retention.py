@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from orchestrator.buffer.invariants import check_invariants
-from orchestrator.buffer.service import Buffer
-from orchestrator.db.engine import Database
-from orchestrator.services.status import buffer_stats
-from tests.integration.buffer_helpers import add_tasks, drain_queue, make_buffer, rows, scalar
+from rollcall.orchestrator.buffer.invariants import check_invariants
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.services.status import buffer_stats
+from tests.integration.buffer_helpers import (
+    Buffers,
+    add_tasks,
+    drain_queue,
+    make_buffer,
+    rows,
+    scalar,
+)
 
 
 def _by_step(engine: sa.Engine) -> dict[int, tuple[int, int, int]]:
@@ -29,7 +35,7 @@ def _by_step(engine: sa.Engine) -> dict[int, tuple[int, int, int]]:
     return {r[0]: (r[1], r[2], r[3]) for r in out}
 
 
-def _train(buf: Buffer, worker_id: int, step: int) -> None:
+def _train(buf: Buffers, worker_id: int, step: int) -> None:
     drain_queue(buf, worker_id, version=step)
     batch = buf.claim_batch(step)
     assert batch.num_trajectories == 2

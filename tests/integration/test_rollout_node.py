@@ -8,16 +8,16 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from orchestrator.config import BufferConfig
-from orchestrator.db.engine import Database
+from rollcall.orchestrator.config import BufferConfig
+from rollcall.orchestrator.db.engine import Database
+from rollcall.workers.episode.loop import Limits
+from rollcall.workers.rollout.node import NodeConfig, RolloutNode, rollout_actor
 from tests.integration.buffer_helpers import add_tasks, rows, scalar
 from tests.support.waiting import wait_for
-from workers.rollout.agent import Limits
-from workers.rollout.node import NodeConfig, RolloutNode, rollout_actor
 
 
 def _register(db: Database) -> dict[str, int]:
-    from orchestrator.services.tasks import register_task
+    from rollcall.orchestrator.services.tasks import register_task
 
     ids = add_tasks(db, {"name": "echo", "group_size": 2, "max_staleness": 4})
     with db.transaction() as tx:
@@ -39,9 +39,9 @@ def test_rollout_node_actor_completes_episodes_for_two_tasks(
 ) -> None:
     ids = _register(db)
     buffer = BufferConfig(batch_groups=2)
-    from orchestrator.buffer.service import Buffer
+    from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
 
-    Buffer(db, 1, buffer).seed()
+    ControlPlaneBuffer(db, 1, buffer).seed()
     node = rollout_actor(num_cpus=1).remote(
         db_url,
         1,
@@ -85,9 +85,9 @@ def test_node_abandons_an_episode_whose_lease_moved_on(
     rejected, it abandons the episode, and the next claimer resumes it."""
     add_tasks(db, {"name": "echo", "group_size": 1, "max_staleness": 0})
     buffer = BufferConfig(batch_groups=1)
-    from orchestrator.buffer.service import Buffer
+    from tests.integration.buffer_helpers import Buffers
 
-    buf = Buffer(db, 1, buffer)
+    buf = Buffers(db, buffer)
     buf.seed()
     node = RolloutNode(
         db_url,
@@ -98,11 +98,14 @@ def test_node_abandons_an_episode_whose_lease_moved_on(
     claim = node.buffer.claim(node.worker.id)
     assert claim is not None
     buf.requeue_worker(node.worker.id)  # declared dead while it holds the lease
-    from workers.rollout.tools import ToolRunner
+    from rollcall.workers.episode.tools import ToolRunner
 
-    with ToolRunner() as runner:
-        node._episode(claim, runner)
-    assert node.stats.episodes_abandoned == 1 and node.stats.samples_committed == 0
+    with ToolRunner() as runner:  # what an agent loop does with its claim
+        job = node.scheduler.admit(claim)
+        assert job is not None
+        node.scheduler.run_sample(*job, runner)  # its only sample: the lease moved on
+    stats = node.counters.stats
+    assert stats.episodes_abandoned == 1 and stats.samples_committed == 0
     assert (
         scalar(engine, "SELECT status::text FROM episodes WHERE id = :e", e=claim.lease.episode_id)
         == "queued"
@@ -117,11 +120,11 @@ def test_a_lease_the_node_does_not_work_on_is_given_back_not_renewed(
     """In-process: a claim whose answer was lost after the database committed it leaves a lease
     the node holds but knows nothing of. Its beats must not renew it for the node's whole life:
     within a few beats it is given back, not counted as an attempt."""
-    from orchestrator.buffer.service import Buffer
+    from tests.integration.buffer_helpers import Buffers
 
     add_tasks(db, {"name": "echo", "group_size": 1, "max_staleness": 0})
     buffer = BufferConfig(batch_groups=1)
-    buf = Buffer(db, 1, buffer)
+    buf = Buffers(db, buffer)
     buf.seed()
     node = RolloutNode(
         db_url,
@@ -136,7 +139,7 @@ def test_a_lease_the_node_does_not_work_on_is_given_back_not_renewed(
         sql = "SELECT status::text, attempts FROM episodes WHERE id = :e"
         wait_for("the orphan lease given back", lambda: rows(engine, sql, e=e)[0][0] == "queued")
         assert rows(engine, sql, e=e)[0] == ("queued", 0)  # not counted
-        assert node.orphans_released == 1
+        assert node.leases.orphans_released == 1
     finally:
         node.stop()
 
@@ -146,11 +149,11 @@ def test_an_agent_loop_that_dies_gives_its_episode_back(
 ) -> None:
     """In-process: an agent thread that dies holding an episode (an exception no handler
     catches) does not leave its lease renewed by the node's beats: it is given back."""
-    from orchestrator.buffer.service import Buffer
+    from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
 
     add_tasks(db, {"name": "echo", "group_size": 1, "max_staleness": 0})
     buffer = BufferConfig(batch_groups=1)
-    Buffer(db, 1, buffer).seed()
+    ControlPlaneBuffer(db, 1, buffer).seed()
     node = RolloutNode(
         db_url,
         1,
@@ -184,12 +187,14 @@ def test_stop_on_a_node_that_is_not_running_ends_its_beats(
     ran, idle = (RolloutNode(db_url, 1, config, BufferConfig()) for _ in range(2))
     try:
         ran.run(max_episodes=0)  # nothing to do: returns, and the node beats on (still up)
-        assert ran._heartbeat.is_alive() and ran._upkeep.is_alive()
+        assert ran.heartbeat.thread.is_alive() and ran.upkeep.thread.is_alive()
         for node in (ran, idle):
             node.stop()
 
         def ended() -> bool:
-            return not any(t.is_alive() for n in (ran, idle) for t in (n._heartbeat, n._upkeep))
+            return not any(
+                t.is_alive() for n in (ran, idle) for t in (n.heartbeat.thread, n.upkeep.thread)
+            )
 
         wait_for("the stopped nodes' beats ended", ended, timeout_s=30)
     finally:
@@ -207,8 +212,8 @@ def test_a_drained_node_keeps_every_turn_its_samples_generated(
     import threading
 
     from ops.bench.pipeline import Setup
-    from orchestrator.buffer.service import Buffer
-    from orchestrator.services.tasks import register_task
+    from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
+    from rollcall.orchestrator.services.tasks import register_task
 
     setup = Setup(nodes=1, concurrency=4, tasks=1, group_size=4, scale=0.01)
     (_, spec), *_ = setup.task_specs()
@@ -217,7 +222,7 @@ def test_a_drained_node_keeps_every_turn_its_samples_generated(
             tx, job_name="default", name="long", plugin="longtail", actor="test",
             max_inflight=1, max_staleness=4, spec_data=spec,
         )  # fmt: skip
-    Buffer(db, 1, BufferConfig()).seed()
+    ControlPlaneBuffer(db, 1, BufferConfig()).seed()
     node = RolloutNode(
         db_url,
         1,
@@ -241,7 +246,7 @@ def test_a_drained_node_keeps_every_turn_its_samples_generated(
     assert not run.is_alive()
     stored = scalar(engine, "SELECT coalesce(sum(num_turns), 0) FROM trajectories")
     # every turn the node's loops finished is in PostgreSQL
-    assert stored == node.stats.turns, (stored, node.stats)
+    assert stored == node.counters.stats.turns, (stored, node.counters.stats)
     assert report["episodes_handed_back"] >= 1 and report["episodes_abandoned"] == 0
     # given back, not counted: the episode is queued again with its attempts unchanged
     status, attempts = rows(engine, "SELECT status::text, attempts FROM episodes")[0]

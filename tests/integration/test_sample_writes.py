@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.buffer.types import ClaimedEpisode
-from orchestrator.db.engine import Database
-from orchestrator.domain import TrajectoryPayload
-from orchestrator.errors import StaleLeaseError
+from rollcall.orchestrator.buffer.types import ClaimedEpisode
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.domain import TrajectoryPayload
+from rollcall.orchestrator.errors import StaleLeaseError
 from tests.integration.buffer_helpers import add_tasks, make_buffer, payload, rows, scalar
 
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from orchestrator.buffer.service import Buffer
-from orchestrator.config import BufferConfig
-from orchestrator.db.engine import Database, normalise_url
-from orchestrator.runner.metrics import MetricsExporter
-from orchestrator.settings import resolve_database
+from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
+from rollcall.orchestrator.config import BufferConfig
+from rollcall.orchestrator.db.engine import Database, normalise_url
+from rollcall.orchestrator.runner.metrics import MetricsExporter
+from rollcall.orchestrator.settings import resolve_database
 from tests.conftest import make_cli_runner
 
 PASSWORD = "s3cr3t-Hunter2-pw"
@@ -56,7 +56,7 @@ def test_buffer_retries_and_the_exporter_never_log_the_password(
 ) -> None:
     db = _unreachable()
     try:
-        buf = Buffer(db, 1, BufferConfig(lease_s=2.0, retry_window_s=0.5))
+        buf = ControlPlaneBuffer(db, 1, BufferConfig(lease_s=2.0, retry_window_s=0.5))
         with pytest.raises(Exception) as raised:
             buf.depth()
         retries = [r for r in logs.records if "database unavailable" in r.getMessage()]

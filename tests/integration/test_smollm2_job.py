@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.config import RollcallConfig, apply_overrides, read_yaml_mapping
-from orchestrator.db.engine import Database
+from rollcall.orchestrator.config import RollcallConfig, apply_overrides, read_yaml_mapping
+from rollcall.orchestrator.db.engine import Database
 from tests.integration.buffer_helpers import rows, scalar
 from tests.integration.test_job import _run
 

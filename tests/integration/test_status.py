@@ -11,8 +11,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from orchestrator.db.engine import Database
-from orchestrator.domain import WorkerRole, WorkerStatus
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.domain import WorkerRole, WorkerStatus
 from tests.integration.buffer_helpers import add_tasks, finish, make_buffer, rows, scalar
 
 NUM = (int, float)
@@ -160,7 +160,7 @@ def _state(db: Database) -> dict[str, int]:
     )
     inflight = buf.claim(w.id)  # left in flight
     assert inflight is not None
-    buf.heartbeat(w.id, tokens_generated=40, loaded_version=1)
+    buf.beat(w.id, tokens_generated=40, loaded_version=1)
     return ids
 
 

@@ -13,7 +13,7 @@ def _child_facts() -> dict[str, Any]:
     main = sys.modules.get("__mp_main__")
     return {
         "mp_main_file": getattr(main, "__file__", None),
-        "longtail_imported": "tasks.longtail" in sys.modules,
+        "longtail_imported": "rollcall.tasks.longtail" in sys.modules,
     }
 
 
@@ -22,9 +22,11 @@ def test_a_tool_process_in_a_node_skips_the_main_module_and_has_the_plugin(
 ) -> None:
     class Node:
         def facts(self) -> tuple[dict[str, Any], dict[str, Any]]:
-            from workers.rollout import tools
+            from rollcall.workers.episode import tools
 
-            tools.preload("tasks.longtail")  # as a node does when it admits a longtail episode
+            tools.preload(
+                "rollcall.tasks.longtail"
+            )  # as a node does when it admits a longtail episode
             runner = tools.ToolRunner()
             try:
                 ok, facts = runner.call_function(_child_facts, (), {}, timeout_s=60)

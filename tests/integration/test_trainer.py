@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.algorithms import LossConfig, SeqMeanTokenMean, TruncatedIS
-from orchestrator.buffer.types import Batch
-from orchestrator.config import TrainerConfig
-from orchestrator.domain import BatchGroup, BatchTrajectory, TrajectoryPayload
-from workers.trainer.batch import StepPlan, plan_step
-from workers.trainer.group import TrainerGroup
-from workers.trainer.weights import WEIGHTS_FILE
+from rollcall.orchestrator.algorithms import LossConfig, SeqMeanTokenMean, TruncatedIS
+from rollcall.orchestrator.buffer.types import Batch
+from rollcall.orchestrator.config import TrainerConfig
+from rollcall.orchestrator.domain import BatchGroup, BatchTrajectory, TrajectoryPayload
+from rollcall.workers.trainer.batch import StepPlan, plan_step
+from rollcall.workers.trainer.group import TrainerGroup
+from rollcall.workers.weights import WEIGHTS_FILE
 
 
 def _batch(step: int, vocab: int, groups: int = 4, group_size: int = 4) -> Batch:
@@ -102,8 +102,8 @@ def test_two_ranks_train_like_one_and_resume_matches(
 
 def _seq_logp(model: Any, ids: list[int], prompt: int) -> float:
     """Sum of the log-probs of the generated tokens (after ``prompt``) at temperature 1."""
-    from workers.trainer.forward import token_logprobs
-    from workers.trainer.packing import pack
+    from rollcall.workers.trainer.forward import token_logprobs
+    from rollcall.workers.trainer.packing import pack
 
     with torch.no_grad():
         lp, _ = token_logprobs(model, pack([ids]))
@@ -121,7 +121,7 @@ def test_a_step_moves_the_policy_towards_the_rewarded_sample(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from orchestrator.algorithms import NoCorrection
+    from rollcall.orchestrator.algorithms import NoCorrection
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     model.eval()
@@ -134,8 +134,8 @@ def test_a_step_moves_the_policy_towards_the_rewarded_sample(
     trajs = []
     for i, (c, r) in enumerate(zip(conts, rewards, strict=True)):
         ids = prompt + c
-        from workers.trainer.forward import token_logprobs
-        from workers.trainer.packing import pack
+        from rollcall.workers.trainer.forward import token_logprobs
+        from rollcall.workers.trainer.packing import pack
 
         with torch.no_grad():
             lp, _ = token_logprobs(model, pack([ids]))
@@ -255,9 +255,9 @@ def test_a_bf16_trainer_publishes_bf16_that_engines_load(
     them into float32 and into bf16 exactly, and a trainer loads them back."""
     from safetensors.torch import load_file
 
-    from workers.rollout.engines.base import GenerationRequest
-    from workers.rollout.engines.hf import HFEngine
-    from workers.trainer.weights import read_metadata
+    from rollcall.workers.episode.engine import GenerationRequest
+    from rollcall.workers.rollout.engines.hf import HFEngine
+    from rollcall.workers.weights import read_metadata
 
     vocab = _vocab(tiny_dir)
     config = _config(1).model_copy(update={"precision": "bf16", "mini_batches": 1})

@@ -16,9 +16,9 @@ import pytest
 import sqlalchemy as sa
 from pydantic import SecretStr
 
-from orchestrator.buffer.invariants import check_invariants
-from orchestrator.config import DatabaseConfig
-from orchestrator.db.engine import open_database
+from rollcall.orchestrator.buffer.invariants import check_invariants
+from rollcall.orchestrator.config import DatabaseConfig
+from rollcall.orchestrator.db.engine import open_database
 from tests.chaos.test_faults import _config, _driver
 from tests.conftest import PgServer, init_local_ray
 from tests.integration.buffer_helpers import rows
@@ -43,7 +43,6 @@ def two_nodes() -> Iterator[tuple[Any, Any]]:
 
     had_local = ray.is_initialized()
     ray.shutdown()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 4, "resources": {"trainer": 1}}
     )

@@ -16,8 +16,8 @@ import pytest
 import sqlalchemy as sa
 import yaml
 
-from orchestrator.buffer.invariants import check_invariants
-from orchestrator.db.engine import Database
+from rollcall.orchestrator.buffer.invariants import check_invariants
+from rollcall.orchestrator.db.engine import Database
 from tests.integration.buffer_helpers import rows, scalar
 
 pytestmark = pytest.mark.timeout(600)

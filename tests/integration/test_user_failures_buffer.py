@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.db.engine import Database
-from orchestrator.services.tasks import change_status
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.services.tasks import change_status
 from tests.integration.buffer_helpers import add_tasks, finish, make_buffer, payload, rows, scalar
 
 
@@ -84,7 +84,7 @@ def test_a_failed_episode_waits_out_its_backoff_and_goes_to_another_worker_first
 
 
 def test_a_stale_lease_cannot_fail_an_episode(db: Database) -> None:
-    from orchestrator.errors import StaleLeaseError
+    from rollcall.orchestrator.errors import StaleLeaseError
 
     add_tasks(db, {"name": "a"})
     buf = make_buffer(db, batch_groups=1)
@@ -184,7 +184,7 @@ def test_a_group_with_no_token_is_quarantined_with_its_samples_reason(
 ) -> None:
     """An agent's prompt too long for its first call records no token at all: the quarantine
     said "its prompt is 0 tokens"; it now gives the samples' own reason."""
-    from orchestrator.domain import TrajectoryPayload
+    from rollcall.orchestrator.domain import TrajectoryPayload
 
     add_tasks(db, {"name": "a"})
     buf = make_buffer(db, batch_groups=1)

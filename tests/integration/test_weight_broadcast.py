@@ -16,10 +16,10 @@ import pytest
 import sqlalchemy as sa
 from rich.console import Console
 
-from orchestrator.buffer.invariants import check_invariants
-from orchestrator.config import RollcallConfig
-from orchestrator.db.engine import Database
-from orchestrator.runner.driver import JobDriver
+from rollcall.orchestrator.buffer.invariants import check_invariants
+from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.runner.driver import JobDriver
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support.waiting import wait_for
 
@@ -165,7 +165,9 @@ def test_a_node_lost_mid_broadcast_is_dropped_and_the_others_load_the_version(
         """Before each publication, hold the job until both nodes are members (at the start,
         and while rollout-1 is restarted after its loss: seconds, where the tiny model's
         steps take one), so that versions go to both: the late joiner's part of the test."""
-        wait_for("both nodes members", lambda: len(driver.supervisor.members()) == 2, timeout_s=120)
+        wait_for(
+            "both nodes members", lambda: len(driver.supervisor.book.members()) == 2, timeout_s=120
+        )
 
     cfg = config(tmp_path, tiny_dir, STEPS)
     result = run_job(cfg, db, tiny_dir, tmp_path, hook, both_members)

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workers.agents import AgentContext, Outcome
-from workers.rollout.engines.base import Engine, Generation, GenerationRequest
+from rollcall import AgentContext, Outcome
+from rollcall.workers.episode.engine import Engine, Generation, GenerationRequest
 
 
 def digest(ids: list[int]) -> str:
@@ -146,15 +146,81 @@ def answer(expression: str) -> str:
     return "42"
 
 
+def huge(expression: str) -> str:
+    """An observation of 200 KiB."""
+    return "x" * (200 * 1024)
+
+
+async def big_step(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    """A ``ctx.step`` whose result is ``prompt["size"]`` bytes of text."""
+    await ctx.chat([{"role": "user", "content": "Hello."}])
+    text = await ctx.step(_text_of, int(prompt["size"]))
+    return Outcome(reward=0.0, info={"length": len(text)})
+
+
+def _text_of(size: int) -> str:
+    return "y" * size
+
+
+async def posting(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    """Posts a body of ``prompt["size"]`` bytes to its endpoint, with its key and without:
+    the statuses and the error messages are the outcome's info."""
+    import asyncio
+    import json
+    import urllib.error
+    import urllib.request
+
+    def post(key: str | None) -> tuple[int, str]:
+        body = json.dumps({"messages": [{"role": "user", "content": "x" * prompt["size"]}]})
+        req = urllib.request.Request(f"{ctx.base_url}/chat/completions", data=body.encode())
+        req.add_header("Content-Type", "application/json")
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, ""
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())["error"]["message"]
+
+    with_key = await asyncio.to_thread(post, ctx.api_key)
+    without = await asyncio.to_thread(post, None)
+    await ctx.chat([{"role": "user", "content": "Hello."}])
+    return Outcome(reward=0.0, info={"with_key": with_key, "without_key": without})
+
+
+async def expecting(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
+    """Asks its endpoint for ``100 Continue`` before a body of ``prompt["size"]`` bytes: the
+    first line of the answer, and how many body bytes it sent before it came."""
+    import asyncio
+    import socket
+    from urllib.parse import urlsplit
+
+    def ask() -> tuple[str, int]:
+        where = urlsplit(ctx.base_url)
+        with socket.create_connection((where.hostname, where.port), timeout=30) as s:
+            s.sendall(
+                (
+                    f"POST {where.path}/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    f"Authorization: Bearer {ctx.api_key}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {prompt['size']}\r\nExpect: 100-continue\r\n\r\n"
+                ).encode()
+            )
+            return s.makefile("rb").readline().decode().strip(), 0
+
+    answer, sent = await asyncio.to_thread(ask)
+    await ctx.chat([{"role": "user", "content": "Hello."}])
+    return Outcome(reward=0.0, info={"answer": answer, "sent": sent})
+
+
 async def tool_user(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:
     """One trained turn, then the tool the prompt names (by ``prompt["tool"]``, with
     ``prompt["options"]`` for ``ctx.tool``) applied to a call the agent writes itself; the
     observation is returned as the outcome's info."""
-    from workers.agents import ToolCall
+    from rollcall import ToolCall
 
     reply = await ctx.chat([{"role": "user", "content": "Compute 6 * 7."}])
-    call = ToolCall("call_x", "calc", {"expression": "6 * 7"})
-    tools = {"raising": raising, "hanging": hanging, "answer": answer}
+    call = ToolCall("call_x", "calc", prompt.get("arguments", {"expression": "6 * 7"}))
+    tools = {"raising": raising, "hanging": hanging, "answer": answer, "huge": huge}
     message = await ctx.tool(tools[prompt["tool"]], call, **prompt.get("options", {}))
     return Outcome(reward=float(reply.num_tokens > 0), info={"observation": message["content"]})
 

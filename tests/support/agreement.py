@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.algorithms import LossConfig, TruncatedIS
-from orchestrator.buffer.types import Batch
-from orchestrator.config import TrainerConfig
-from orchestrator.domain import BatchGroup, BatchTrajectory, TrajectoryPayload
-from workers.rollout.engines.base import Engine, GenerationRequest
-from workers.trainer.batch import plan_step
-from workers.trainer.group import TrainerGroup
+from rollcall.orchestrator.algorithms import LossConfig, TruncatedIS
+from rollcall.orchestrator.buffer.types import Batch
+from rollcall.orchestrator.config import TrainerConfig
+from rollcall.orchestrator.domain import BatchGroup, BatchTrajectory, TrajectoryPayload
+from rollcall.workers.episode.engine import Engine, GenerationRequest
+from rollcall.workers.trainer.batch import plan_step
+from rollcall.workers.trainer.group import TrainerGroup
 
 TEMPERATURE = 1.0  # the rollout's sampling temperature (rollout.temperature's default)
 

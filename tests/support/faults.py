@@ -12,7 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workers.rollout.engines.base import Engine, EngineHealth, Generation, GenerationRequest
+from rollcall.workers.episode.engine import (
+    Engine,
+    EngineHealth,
+    Generation,
+    GenerationRequest,
+)
 
 SLOW_GENERATE_S = 12.0  # longer than the heartbeat timeout (10 s), within progress (30 s)
 SLOW_START_S = 30.0  # longer than the start test's start_timeout_s (20 s), by half

@@ -13,7 +13,7 @@ import asyncio
 import time
 from typing import Any
 
-from workers.agents import AgentContext, Outcome
+from rollcall import AgentContext, Outcome
 
 
 def _bad(prompt: dict[str, Any]) -> bool:

@@ -1,5 +1,5 @@
 """Fakes at the weight broadcast's seam, for tests: ``fault`` arms the receiver of one node
-process to SIGSTOP or SIGKILL itself mid-broadcast (``workers.collective.FAULT_ENV``), once:
+process to SIGSTOP or SIGKILL itself mid-broadcast (``rollcall.workers.collective.FAULT_ENV``), once:
 an ``arm`` file in the flags folder is consumed, so a restarted incarnation of the node is not
 armed again."""
 
@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from workers import collective
+from rollcall.workers import collective
 
 
 def fault(engine: Any, arg: str) -> Any:

@@ -12,15 +12,15 @@ from typing import Any, ClassVar
 
 import pytest
 
-from tasks.agent import AgentSpec
-from tasks.echo import EchoTask
-from workers.agents import AgentUsageError
-from workers.agents import runtime as agent_runtime
-from workers.agents.runtime import AgentRun
-from workers.rollout.agent import AgentLoop, Limits
-from workers.rollout.chat import chat_for
-from workers.rollout.tools import ToolRunner
-from workers.rollout.usercode import UserCodeError
+from rollcall.tasks.agent import AgentSpec
+from rollcall.tasks.echo import EchoTask
+from rollcall.workers.episode import AgentUsageError
+from rollcall.workers.episode import runtime as agent_runtime
+from rollcall.workers.episode.chat import chat_for
+from rollcall.workers.episode.loop import AgentLoop, Limits
+from rollcall.workers.episode.runtime import AgentRun
+from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.episode.usercode import UserCodeError
 
 AGENTS = "tests.support.faulty_agents"
 FILE = "tests/support/faulty_agents.py"
@@ -28,7 +28,7 @@ FILE = "tests/support/faulty_agents.py"
 
 @pytest.fixture(scope="module")
 def tiny_engine() -> Any:
-    from workers.rollout.engines.hf import HFEngine
+    from rollcall.workers.rollout.engines.hf import HFEngine
 
     return HFEngine(str(Path(__file__).parents[2] / "workers" / "models" / "tiny"), seed=0)
 
@@ -216,7 +216,7 @@ def test_rollout_preview_shows_a_failing_episode_and_goes_on(
 def test_a_function_that_cannot_be_called_so_fails_on_every_input(
     tiny_engine: Any, tmp_path: Path
 ) -> None:
-    from workers.agents.runtime import AgentContext
+    from rollcall.workers.episode.runtime import AgentContext
 
     async def takes_one(ctx: Any) -> None:  # its signature changed after it was checked
         return None

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from tasks.agent import AgentSpec, AgentTask, PromptSource, prompt_rows
-from workers.agents import AgentUsageError
-from workers.agents.runtime import AgentRun
-from workers.rollout.agent import Limits
-from workers.rollout.chat import chat_for
-from workers.rollout.tools import ToolRunner
-from workers.rollout.usercode import UserCodeError
+from rollcall.tasks.agent import AgentSpec, AgentTask, PromptSource, prompt_rows
+from rollcall.workers.episode import AgentUsageError
+from rollcall.workers.episode.chat import chat_for
+from rollcall.workers.episode.loop import Limits
+from rollcall.workers.episode.runtime import AgentRun
+from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.episode.usercode import UserCodeError
 
 AGENTS = "tests.support.agents"
 
@@ -104,7 +104,7 @@ def test_prompt_sources_are_deterministic_and_split_by_key(tmp_path: Path) -> No
 
 @pytest.fixture(scope="module")
 def tiny_engine() -> Any:
-    from workers.rollout.engines.hf import HFEngine
+    from rollcall.workers.rollout.engines.hf import HFEngine
 
     return HFEngine(str(Path(__file__).parents[2] / "workers" / "models" / "tiny"), seed=0)
 

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from tasks.calculator import CalculatorSpec, CalculatorTask
-from tasks.guess import GuessSpec, GuessTask
-from workers.rollout.agent import AgentLoop, Limits, Trajectory
-from workers.rollout.engines.base import EngineHealth, Generation, GenerationRequest
-from workers.rollout.engines.hf import HFEngine
-from workers.rollout.tools import ToolRunner
+from rollcall.tasks.calculator import CalculatorSpec, CalculatorTask
+from rollcall.tasks.guess import GuessSpec, GuessTask
+from rollcall.workers.episode.engine import EngineHealth, Generation, GenerationRequest
+from rollcall.workers.episode.loop import AgentLoop, Limits, Trajectory
+from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.rollout.engines.hf import HFEngine
 
 
 @pytest.fixture(scope="session")

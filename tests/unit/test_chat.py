@@ -5,19 +5,19 @@ from typing import Any
 
 import pytest
 
-from tasks.base import Tool
-from workers.rollout.chat import (
+from rollcall.tasks.base import Tool
+from rollcall.workers.episode.chat import (
     ROLLCALL_TEMPLATE,
     Answer,
     Chat,
     ChatTemplateError,
     Malformed,
-    ToolCall,
+    ParsedCall,
     observation_text,
     parse_turn,
     prompt_text,
 )
-from workers.rollout.toolcalls import get_format
+from rollcall.workers.episode.toolcalls import get_format
 
 
 @pytest.mark.parametrize(
@@ -25,14 +25,14 @@ from workers.rollout.toolcalls import get_format
     [
         (
             '<tool>{"name": "calc", "arguments": {"expression": "6*7"}}</tool><|end|>',
-            ToolCall("calc", {"expression": "6*7"}),
+            ParsedCall("calc", {"expression": "6*7"}),
         ),
         ("think first <answer> 42 </answer><|end|>", Answer("42")),
         ('<answer>1</answer> then <tool>{"name": "x"}</tool>', Answer("1")),
-        ('<tool>{"name": "x"}</tool> then <answer>1</answer>', ToolCall("x", {})),
+        ('<tool>{"name": "x"}</tool> then <answer>1</answer>', ParsedCall("x", {})),
         (
             '<tool>{"name": "calc", "arguments": [1]}</tool>',
-            ToolCall("calc", [1]),
+            ParsedCall("calc", [1]),
         ),  # the runner rejects it
         (
             "<tool>{name: calc}</tool>",
@@ -83,12 +83,12 @@ CALC = Tool(
     [
         (
             '<tool_call>\n{"name": "calc", "arguments": {"expression": "6*7"}}\n</tool_call>',
-            ToolCall("calc", {"expression": "6*7"}),
+            ParsedCall("calc", {"expression": "6*7"}),
         ),
         (
             'Let me compute. <tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"1\\"}"}'
             "</tool_call>",
-            ToolCall("calc", {"expression": "1"}),
+            ParsedCall("calc", {"expression": "1"}),
         ),  # arguments written as a JSON string
         ("The answer is 42.", Answer("The answer is 42.")),
         ("  ", Malformed("the reply is empty; call a tool or give the final answer")),
@@ -117,9 +117,9 @@ def test_hermes_format(text: str, expected: object) -> None:
     [
         (
             '{"name": "calc", "arguments": {"expression": "2"}}',
-            ToolCall("calc", {"expression": "2"}),
+            ParsedCall("calc", {"expression": "2"}),
         ),
-        ('```json\n{"name": "calc", "arguments": {}}\n```', ToolCall("calc", {})),
+        ('```json\n{"name": "calc", "arguments": {}}\n```', ParsedCall("calc", {})),
         ("42", Answer("42")),
         ('{"name": 3}', Malformed('the tool call needs {"name": ..., "arguments": {...}}')),
     ],

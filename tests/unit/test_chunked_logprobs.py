@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.trainer.forward import token_logprobs
-from workers.trainer.packing import pack
+from rollcall.workers.trainer.forward import token_logprobs
+from rollcall.workers.trainer.packing import pack
 
 LENGTHS = (23, 5, 41, 1, 17)  # 87 tokens: 86 scored positions, divided by neither chunk size
 

@@ -10,7 +10,7 @@ HEAVY = ("sqlalchemy", "torch", "ray", "transformers", "alembic", "psycopg", "py
 
 def test_cli_import_defers_heavy_packages() -> None:
     code = (
-        "import sys, orchestrator.cli\n"
+        "import sys, rollcall.orchestrator.cli\n"
         f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
@@ -20,7 +20,7 @@ def test_cli_import_defers_heavy_packages() -> None:
 
 def test_help_lists_command_groups() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "--help"],
+        [sys.executable, "-m", "rollcall.orchestrator.cli", "--help"],
         capture_output=True,
         text=True,
         check=True,

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from workers import collective
-from workers.collective import BroadcastFailed, Offer, Rendezvous
+from rollcall.workers import collective
+from rollcall.workers.collective import BroadcastFailed, Offer, Rendezvous
 
 TIMEOUT_S = 3.0  # an offer that must fail: its bound
 # an offer that must succeed: the trainer's default (trainer.weights.timeout_s). Forming a group

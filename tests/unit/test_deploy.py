@@ -24,7 +24,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from orchestrator.config import RollcallConfig, VLLMEngineConfig, load_config
+from rollcall.orchestrator.config import RollcallConfig, VLLMEngineConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "ops" / "deploy"
@@ -275,7 +275,7 @@ def _check_ray(words: list[str], commands: dict[str, set[str]], what: str) -> No
 def rollcall_cli() -> Any:
     from typer.main import get_command
 
-    from orchestrator.cli import app
+    from rollcall.orchestrator.cli import app
 
     return get_command(app)
 
@@ -375,7 +375,10 @@ while [ $# -gt 0 ]; do
         *) break ;;
     esac
 done
-{ printf 'srun\\t%s\\t%s\\t' "$FAKE_HOST" "$opts"; printf '%q ' "$@"; echo; } >> "$FAKE_LOG"
+# one write per line: the nodes' sruns append to one log at once (O_APPEND keeps a single
+# write whole; a line written in pieces was seen interleaved with another node's)
+line=$(printf 'srun\\t%s\\t%s\\t' "$FAKE_HOST" "$opts"; printf '%q ' "$@")
+printf '%s\\n' "$line" >> "$FAKE_LOG"
 exec "$@"
 """,
     # ray start: logs its pid and environment and blocks; ray status: the nodes started so

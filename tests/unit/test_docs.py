@@ -52,7 +52,7 @@ def test_check_mode_reports_a_hand_edit(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_config_reference_covers_every_key() -> None:
-    from orchestrator.config import RollcallConfig
+    from rollcall.orchestrator.config import RollcallConfig
 
     text = docs.config_reference()
     for s in docs._sections(RollcallConfig, ""):
@@ -63,7 +63,7 @@ def test_config_reference_covers_every_key() -> None:
 def test_cli_reference_covers_every_command() -> None:
     from typer.main import get_command
 
-    from orchestrator.cli import app
+    from rollcall.orchestrator.cli import app
 
     text = docs.cli_reference()
     for full, cmd in docs._commands(get_command(app), "rollcall"):

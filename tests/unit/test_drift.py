@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from orchestrator.runner.drift import IsWeightWatch
+from rollcall.orchestrator.runner.drift import IsWeightWatch
 
 
 def _step(weight: float | None) -> dict[str, float]:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.evalstats import gains, mean_interval, paired_gain
-from workers.rollout.engines.base import GenerationRequest
-from workers.rollout.engines.hf import HFEngine
+from rollcall.orchestrator.evalstats import gains, mean_interval, paired_gain
+from rollcall.workers.episode.engine import GenerationRequest
+from rollcall.workers.rollout.engines.hf import HFEngine
 
 pytestmark = pytest.mark.slow  # minutes: left out of the fast tier
 
@@ -42,7 +42,7 @@ def test_a_seeded_request_samples_the_same_tokens_in_any_batch(tiny_dir: Path) -
 
 
 def test_two_evaluations_of_one_checkpoint_agree(tiny_dir: Path) -> None:
-    from workers.evaluation import EvalTask, Evaluator
+    from rollcall.workers.evaluation import EvalTask, Evaluator
 
     tasks = [EvalTask("calculator", "calculator", {}), EvalTask("guess", "guess", {})]
     first = Evaluator(str(tiny_dir), seed=3, concurrency=8)
@@ -79,8 +79,8 @@ def test_intervals_and_paired_gains() -> None:
 
 
 def test_the_final_summary_fits_80_columns() -> None:
-    from orchestrator.cli.run import NEXT_STEPS, summary_lines
-    from orchestrator.runner.driver import RunResult
+    from rollcall.orchestrator.cli.run import NEXT_STEPS, summary_lines
+    from rollcall.orchestrator.runner.driver import RunResult
 
     evals = [
         {"step": 0, "reward": {"calculator": 0.1}, "rewards": {"calculator": [0.1, 0.1, 0.0]}},
@@ -97,9 +97,9 @@ def test_the_final_summary_fits_80_columns() -> None:
 def test_evaluation_reuses_its_tool_processes(monkeypatch: pytest.MonkeyPatch) -> None:
     """One tool process per concurrent episode, not one per episode: 24 episodes at
     concurrency 3 start at most 3. The shipped (warm-started) model, which calls the tool."""
-    from workers.evaluation import EvalTask, Evaluator
-    from workers.rollout import tools
-    from workers.tiny_model import SHIPPED
+    from rollcall.workers.episode import tools
+    from rollcall.workers.evaluation import EvalTask, Evaluator
+    from rollcall.workers.tiny_model import SHIPPED
 
     started: set[int] = set()
     ensure = tools.ToolRunner._ensure

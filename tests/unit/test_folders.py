@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.folders import replace_folder
+from rollcall.orchestrator.folders import replace_folder
 
 
 def _write(text: str) -> Callable[[Path], None]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import TypeAdapter, ValidationError
 
-from orchestrator.algorithms import (
+from rollcall.orchestrator.algorithms import (
     ConstantNormaliser,
     Correction,
     DecoupledPPO,
@@ -21,7 +21,7 @@ from orchestrator.algorithms import (
     TokenMean,
     TruncatedIS,
 )
-from workers.trainer.grpo import (
+from rollcall.workers.trainer.grpo import (
     LossStats,
     StepTotals,
     advantage_stats,
@@ -351,7 +351,7 @@ def test_staleness_of_a_batch() -> None:
 
 
 def test_agreement_stats_count_only_onpolicy_tokens() -> None:
-    from workers.trainer.grpo import agreement_stats
+    from rollcall.workers.trainer.grpo import agreement_stats
 
     start = torch.tensor([-1.0, -2.0, -0.5, -3.0])
     beh = torch.tensor([-1.0, -2.1, -0.1, -3.0])
@@ -366,10 +366,10 @@ def test_agreement_stats_count_only_onpolicy_tokens() -> None:
 def test_plan_step_marks_trajectories_of_the_trained_version_on_policy() -> None:
     import numpy as np
 
-    from orchestrator.algorithms import LossConfig
-    from orchestrator.buffer.types import Batch
-    from orchestrator.domain import BatchGroup, BatchTrajectory, TrajectoryPayload
-    from workers.trainer.batch import plan_step
+    from rollcall.orchestrator.algorithms import LossConfig
+    from rollcall.orchestrator.buffer.types import Batch
+    from rollcall.orchestrator.domain import BatchGroup, BatchTrajectory, TrajectoryPayload
+    from rollcall.workers.trainer.batch import plan_step
 
     def traj(i: int, versions: list[int]) -> BatchTrajectory:
         n = 4 * len(versions)

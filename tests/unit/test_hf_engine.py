@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from workers.rollout.engines.base import Generation, GenerationRequest
-from workers.rollout.engines.hf import HFEngine, catch_up_width
+from rollcall.workers.episode.engine import Generation, GenerationRequest
+from rollcall.workers.rollout.engines.hf import HFEngine, catch_up_width
 
 TEMPERATURE = 1.3
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.rollout.engines.kvstore import KVEntry, KVStore, common_prefix
+from rollcall.workers.rollout.engines.kvstore import KVEntry, KVStore, common_prefix
 
 
 def _entry(ids: list[int]) -> KVEntry:

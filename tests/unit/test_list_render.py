@@ -4,10 +4,10 @@ name and quota, a drill's kind and figures share a line)."""
 
 from __future__ import annotations
 
-from orchestrator.cli.drill import drill_table
-from orchestrator.cli.job import jobs_table
-from orchestrator.cli.task import tasks_table
-from orchestrator.services.drills import DrillReport
+from rollcall.orchestrator.cli.drill import drill_table
+from rollcall.orchestrator.cli.job import jobs_table
+from rollcall.orchestrator.cli.task import tasks_table
+from rollcall.orchestrator.services.drills import DrillReport
 from tests.unit.test_status_render import check_width, line_with, render
 
 

@@ -42,13 +42,13 @@ def test_model_init_then_preview(run: Any, tmp_path: Path) -> None:
     assert data["sft_loss"] < data["sft_loss_start"] - 1.0  # the warm start trained
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from workers.tiny_model import build_tokenizer
-    from workers.warmstart import episode
+    from rollcall.workers.tiny_model import build_tokenizer
+    from rollcall.workers.warmstart import episode
 
     loaded = AutoTokenizer.from_pretrained(out)
     AutoModelForCausalLM.from_pretrained(out)  # any transformers user can load it
     # the saved tokenizer encodes exactly as the one the warm start trained with
-    from tasks import registry
+    from rollcall.tasks import registry
 
     built = build_tokenizer()
     for name in ("calculator", "retrieval"):
@@ -118,7 +118,7 @@ def test_preview_defaults_to_the_tiny_model_and_takes_built_in_names(
     assert json.loads(r.out)[0]["turns"]
     assert (home / "models" / "tiny" / "config.json").is_file()
 
-    from workers.realmodel import default_dir
+    from rollcall.workers.realmodel import default_dir
 
     default_dir(home).parent.mkdir(parents=True, exist_ok=True)
     default_dir(home).symlink_to(smollm2_dir)  # imported once per test session

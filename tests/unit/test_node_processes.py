@@ -1,4 +1,4 @@
-"""Which processes ``rollcall drill kill-node`` kills (``orchestrator.services.drills``): every
+"""Which processes ``rollcall drill kill-node`` kills (``rollcall.orchestrator.services.drills``): every
 process of one Ray node on this host, and never one of another node. Each test lays out a fake
 ``/proc`` (``procfs.PROC``) as Ray 2.60 leaves it, from command lines seen on real clusters:
 ``ray start`` on its own machine, two ``ray start`` nodes sharing one host, and
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import procfs
-from orchestrator.cli.drill import drill_table
-from orchestrator.services.drills import DrillReport, RayNodeWatch, find_ray_node
+from rollcall.orchestrator import procfs
+from rollcall.orchestrator.cli.drill import drill_table
+from rollcall.orchestrator.services.drills import DrillReport
+from rollcall.orchestrator.services.nodeloss import RayNodeWatch, find_ray_node
 from tests.unit.test_status_render import check_width, line_with, render
 
 RAY = "/venv/lib/python3.11/site-packages/ray"

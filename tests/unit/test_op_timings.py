@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.buffer import timings
-from orchestrator.buffer.timings import OpTimings, bucket_of, bucket_upper_s, percentile_s, timed
+from rollcall.orchestrator.buffer import timings
+from rollcall.orchestrator.buffer.timings import (
+    OpTimings,
+    bucket_of,
+    bucket_upper_s,
+    percentile_s,
+    timed,
+)
 
 
 def test_buckets_are_log_spaced_twenty_per_decade() -> None:

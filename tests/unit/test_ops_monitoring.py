@@ -17,7 +17,7 @@ import promql_parser as pq
 import pytest
 import yaml
 
-from orchestrator.runner.metrics import METRICS, exported_sample_names
+from rollcall.orchestrator.runner.metrics import METRICS, exported_sample_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "ops" / "grafana" / "rollcall.json"
@@ -203,8 +203,8 @@ def test_runbooks_name_real_metrics_commands_and_config_keys() -> None:
     shows exists; every dotted config key it names is a field of the config models."""
     from typer.main import get_command
 
-    from orchestrator.cli import app
-    from orchestrator.config import RollcallConfig
+    from rollcall.orchestrator.cli import app
+    from rollcall.orchestrator.config import RollcallConfig
 
     cli = get_command(app)
     books = sorted(p for p in RUNBOOKS.glob("*.md") if p.name != "README.md")

@@ -10,8 +10,8 @@ import psycopg
 import pytest
 from sqlalchemy import exc as sa_exc
 
-from orchestrator.db import retry
-from orchestrator.db.retry import SETTLE_S, Outage, OutageTracker, retry_transient
+from rollcall.orchestrator.db import retry
+from rollcall.orchestrator.db.retry import SETTLE_S, Outage, OutageTracker, retry_transient
 
 
 class Clock:

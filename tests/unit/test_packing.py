@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.trainer.packing import (
+from rollcall.workers.trainer.packing import (
     first_fit_decreasing,
     pack,
     pack_values,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from orchestrator.algorithms import (
+from rollcall.orchestrator.algorithms import (
     Aggregation,
     ConstantNormaliser,
     LossConfig,
@@ -18,9 +18,9 @@ from orchestrator.algorithms import (
     TokenMean,
     TruncatedIS,
 )
-from workers.trainer.forward import model_inputs, token_logprobs
-from workers.trainer.grpo import StepTotals, policy_loss, token_advantages, token_weights
-from workers.trainer.packing import pack, pack_values
+from rollcall.workers.trainer.forward import model_inputs, token_logprobs
+from rollcall.workers.trainer.grpo import StepTotals, policy_loss, token_advantages, token_weights
+from rollcall.workers.trainer.packing import pack, pack_values
 
 
 def _model(tiny_dir: Path, attn: str) -> Any:

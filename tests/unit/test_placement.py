@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from orchestrator.config import RollcallConfig
-from orchestrator.errors import UserError
-from orchestrator.runner.placement import check_fits, rollout_bundle, trainer_bundle
+from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.errors import UserError
+from rollcall.orchestrator.runner.placement import check_fits, rollout_bundle, trainer_bundle
 
 
 def _cfg(**sections: Any) -> RollcallConfig:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.runner.progress import Pace
+from rollcall.orchestrator.runner.progress import Pace
 
 
 def test_no_eta_before_the_second_step() -> None:

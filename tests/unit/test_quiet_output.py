@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import RollcallConfig
-from orchestrator.runner.driver import MISFIRE_GRACE_S, JobDriver
-from orchestrator.runner.rundir import RunDir
+from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.runner.driver import JobDriver
+from rollcall.orchestrator.runner.rundir import RunDir
+from rollcall.orchestrator.runner.scheduler import MISFIRE_GRACE_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +26,7 @@ SCRIPT = r"""
 import json, logging, sys, warnings
 from pathlib import Path
 
-from orchestrator.runner.rundir import RunDir
+from rollcall.orchestrator.runner.rundir import RunDir
 
 before = warnings.showwarning
 release = RunDir(Path(sys.argv[1])).capture_logs()
@@ -87,7 +88,7 @@ def test_scheduler_jobs_coalesce_and_tolerate_a_busy_machine(tmp_path: Path) -> 
         home=tmp_path,
         live=False,
     )
-    driver.buffer = _Buffer()  # type: ignore[assignment]
+    driver.control_buffer = _Buffer()  # type: ignore[assignment]
     driver.run_dir = RunDir(tmp_path / "run")
     try:
         driver._start_scheduler()

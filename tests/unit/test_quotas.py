@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.quotas import (
+from rollcall.orchestrator.quotas import (
     SeedInput,
     TaskLoad,
     admission_cap,
@@ -184,7 +184,7 @@ def test_seeding_never_exceeds_cap(
 
 
 def test_batch_problem_is_exact_at_the_boundary() -> None:
-    from orchestrator.quotas import BatchPolicy, QuotaInput, batch_problem
+    from rollcall.orchestrator.quotas import BatchPolicy, QuotaInput, batch_problem
 
     every_4 = BatchPolicy(batch_groups=8, sync_every=4)
     # only "patient" (max_staleness 3) can supply the step before a publication: its cap is

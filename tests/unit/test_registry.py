@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tasks import registry
-from tasks.base import TaskPlugin
-from tasks.echo import EchoSpec
+from rollcall.tasks import registry
+from rollcall.tasks.base import TaskPlugin
+from rollcall.tasks.echo import EchoSpec
 
 
 def test_echo_is_registered_and_implements_protocol() -> None:
@@ -19,7 +19,7 @@ def test_unknown_plugin_lists_available() -> None:
     with pytest.raises(
         registry.UnknownPluginError, match="available plugins: agent, calculator, echo"
     ):
-        registry.get("tasks.echo:EchoTask")  # an import path is not a plugin name
+        registry.get("rollcall.tasks.echo:EchoTask")  # an import path is not a plugin name
 
 
 def test_echo_prompt_stream_is_deterministic_and_seeded() -> None:

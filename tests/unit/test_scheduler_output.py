@@ -24,12 +24,12 @@ from pathlib import Path
 
 from apscheduler.events import EVENT_JOB_EXECUTED, EVENT_JOB_MISSED
 
-from orchestrator.config import RollcallConfig
-from orchestrator.runner.driver import JobDriver
-from orchestrator.runner.rundir import RunDir
+from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.runner.driver import JobDriver
+from rollcall.orchestrator.runner.rundir import RunDir
 
 
-class Buffer:  # the control plane's calls, doing nothing
+class ControlPlane:  # the control plane's calls, doing nothing
     def seed(self): return {}
     def sweep_expired_leases(self): return None
     def expire_stale(self): return {}
@@ -42,7 +42,7 @@ driver = JobDriver(
     RollcallConfig.model_validate({"job": {"name": "quiet"}}), None,
     model_dir=root, home=root, live=False,
 )
-driver.buffer = Buffer()
+driver.control_buffer = ControlPlane()
 driver.run_dir = RunDir(root / "run")
 driver._start_scheduler()
 s = driver.scheduler
@@ -54,7 +54,7 @@ now = datetime.now(timezone.utc)
 s.add_job(print, "interval", seconds=3600, id="frozen", next_run_time=now - timedelta(minutes=10))
 s.add_job(print, "interval", seconds=3600, id="late", next_run_time=now - timedelta(seconds=5))
 assert done["missed"].wait(60) and done["ran"].wait(60)
-from orchestrator.runner.metrics import MetricsExporter
+from rollcall.orchestrator.runner.metrics import MetricsExporter
 
 exporter = MetricsExporter(None, 1, "quiet", missed_runs=driver.missed_runs)
 samples = {

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from rollcall.workers import realmodel
 from tests.conftest import make_cli_runner
-from workers import realmodel
 
 # The import (a GGUF read and a 538 MB save, with the session fixture's) takes 1-2 min alone
 # on two cores and several times that beside other work: more than the default 300 s.

@@ -2,7 +2,7 @@
 80-column terminal: no line is wider than 80 columns and each table row is one line (a
 worker's name and status, a task's name and reward, an event's time and kind share a line).
 
-The documents have the shape of ``orchestrator.services.status`` (tests/integration/
+The documents have the shape of ``rollcall.orchestrator.services.status`` (tests/integration/
 test_status.py checks that shape against a real database) with realistic, long-ish values: a
 job mid-run with three tasks, rollout nodes and trainer ranks on named hosts, a restart, the
 metrics URL and a page of events."""
@@ -15,7 +15,7 @@ from typing import Any
 from rich.cells import cell_len
 from rich.console import Console
 
-from orchestrator.cli import status as cli_status
+from rollcall.orchestrator.cli import status as cli_status
 
 WIDTH = 80
 STATES = ("queued", "leased", "ready", "claimed", "consumed", "expired", "quarantined")
@@ -24,7 +24,7 @@ NODE_ID = "3f9a1c2b7d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4"
 
 
 def render(renderable: Any) -> list[str]:
-    """Lines as the CLI's console (``orchestrator.cli.common.console``) prints them."""
+    """Lines as the CLI's console (``rollcall.orchestrator.cli.common.console``) prints them."""
     out = Console(file=io.StringIO(), width=WIDTH, record=True, highlight=False, soft_wrap=True)
     out.print(renderable)
     return out.export_text().splitlines()

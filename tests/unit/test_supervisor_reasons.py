@@ -4,8 +4,8 @@ message says; its reason names the cause."""
 
 from __future__ import annotations
 
-from orchestrator.runner.supervisor import _death_reason, _machine_lost
-from workers.rollout.engines.base import EngineFailure
+from rollcall.orchestrator.runner.slots import _death_reason, _machine_lost
+from rollcall.workers.episode.engine import EngineFailure
 
 
 def _raised_by_the_node(e: BaseException) -> BaseException:
@@ -68,7 +68,7 @@ def test_a_node_whose_constructor_raised_counts_against_its_budget() -> None:
 
 
 def test_a_node_declared_dead_is_described_by_the_words_its_row_keeps() -> None:
-    from orchestrator.runner.supervisor import _declared_dead
+    from rollcall.orchestrator.runner.slots import _declared_dead
 
     row = {"id": 7, "status": "dead", "status_reason": None}
     # a breaker that tripped marks the row dead before the node's run returns: the supervisor

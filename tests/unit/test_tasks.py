@@ -7,12 +7,12 @@ import re
 
 import pytest
 
-from tasks import registry
-from tasks.base import TaskPlugin, ToolError
-from tasks.calculator import TEMPLATES, CalculatorSpec, CalculatorTask, parse_number
-from tasks.guess import GuessSpec, GuessTask
-from tasks.retrieval import RetrievalSpec, RetrievalTask
-from tasks.safe_eval import CalcError, evaluate, format_number
+from rollcall.tasks import registry
+from rollcall.tasks.base import TaskPlugin, ToolError
+from rollcall.tasks.calculator import TEMPLATES, CalculatorSpec, CalculatorTask, parse_number
+from rollcall.tasks.guess import GuessSpec, GuessTask
+from rollcall.tasks.retrieval import RetrievalSpec, RetrievalTask
+from rollcall.tasks.safe_eval import CalcError, evaluate, format_number
 
 
 @pytest.mark.parametrize(
@@ -217,7 +217,7 @@ def test_retrieval_reward_and_errors() -> None:
 
 
 def test_retrieval_corpus_names_and_kinds() -> None:
-    from tasks.retrieval import NAMES, build_corpus
+    from rollcall.tasks.retrieval import NAMES, build_corpus
 
     corpus = build_corpus(0, 12, 6)
     titles = [d.title for d in corpus.docs.values()]
@@ -254,6 +254,6 @@ def test_retrieval_splits_are_disjoint() -> None:
     ],
 )
 def test_the_calculator_reads_the_answer_of_a_free_reply(text: str, read: str) -> None:
-    from tasks.calculator import CalculatorSpec, CalculatorTask
+    from rollcall.tasks.calculator import CalculatorSpec, CalculatorTask
 
     assert CalculatorTask().read_answer(CalculatorSpec(), text) == read

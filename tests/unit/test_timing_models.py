@@ -13,22 +13,22 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from orchestrator.config import TimingEngineConfig, TimingTrainerConfig, load_config
-from tasks import registry
-from tasks.longtail import (
+from rollcall.orchestrator.config import TimingEngineConfig, TimingTrainerConfig, load_config
+from rollcall.tasks import registry
+from rollcall.tasks.longtail import (
     LongtailSpec,
     LongtailTask,
     observation_tokens,
     planned_turns,
     tool_latency_s,
 )
-from workers.rollout.agent import AgentLoop, Limits
-from workers.rollout.chat import ToolCall, parse_turn
-from workers.rollout.engines.base import GenerationRequest
-from workers.rollout.engines.timing import TimingEngine
-from workers.rollout.tools import ToolResult, ToolRunner
-from workers.trainer.batch import TrainSequence
-from workers.trainer.timing import TimingTrainerRank, step_seconds
+from rollcall.workers.episode.chat import ParsedCall, parse_turn
+from rollcall.workers.episode.engine import GenerationRequest
+from rollcall.workers.episode.loop import AgentLoop, Limits
+from rollcall.workers.episode.tools import ToolResult, ToolRunner
+from rollcall.workers.rollout.engines.timing import TimingEngine
+from rollcall.workers.trainer.batch import TrainSequence
+from rollcall.workers.trainer.timing import TimingTrainerRank, step_seconds
 
 
 class Sleeps(list[float]):
@@ -52,7 +52,7 @@ def test_turns_are_well_formed_tool_calls_of_the_drawn_length(tiny_dir: Path) ->
         g = e.generate([GenerationRequest([1, 2, 3, i], max_new_tokens=512)])[0]
         assert g.finish_reason == "stop" and g.token_ids[-1] == e.tokenizer.eos_token_id
         call = parse_turn(e.tokenizer.decode(g.token_ids))
-        assert isinstance(call, ToolCall) and call.name == "work"
+        assert isinstance(call, ParsedCall) and call.name == "work"
         assert isinstance(call.arguments["draw"], int) and set(call.arguments["pad"]) <= {"0"}
         assert g.logprobs == [-0.7] * len(g.token_ids)
         lengths.append(len(g.token_ids))
@@ -143,8 +143,8 @@ def test_the_timing_engine_imports_no_torch() -> None:
     import sys
 
     code = (
-        "import sys; import workers.rollout.engines.timing, workers.rollout.node, "
-        "workers.trainer.timing, tasks.longtail; print('torch' in sys.modules)"
+        "import sys; import rollcall.workers.rollout.engines.timing, rollcall.workers.rollout.node, "
+        "rollcall.workers.trainer.timing, rollcall.tasks.longtail; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -225,7 +225,14 @@ def test_training_and_held_out_prompts_differ() -> None:
 
 class InProcess(ToolRunner):
     def call(
-        self, plugin: Any, spec: Any, prompt: Any, state: Any, name: str, arguments: Any
+        self,
+        plugin: Any,
+        spec: Any,
+        prompt: Any,
+        state: Any,
+        name: str,
+        arguments: Any,
+        network: bool = False,
     ) -> ToolResult:
         obs = plugin.call_tool(spec, prompt, state, name, arguments)
         return ToolResult(obs.text, obs.state, obs.done, False)

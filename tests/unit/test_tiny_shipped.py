@@ -15,11 +15,11 @@ import pytest
 import torch
 from rich.console import Console
 
-from orchestrator.cli.model import init
-from orchestrator.cli.run import resolve_model
-from orchestrator.config import RollcallConfig, load_config
-from workers import tiny_model
-from workers.tiny_model import SHIPPED, file_digests, install_shipped, shipped_build
+from rollcall.orchestrator.cli.model import init
+from rollcall.orchestrator.cli.run import resolve_model
+from rollcall.orchestrator.config import RollcallConfig, load_config
+from rollcall.workers import tiny_model
+from rollcall.workers.tiny_model import SHIPPED, file_digests, install_shipped, shipped_build
 
 
 def _small_build(out: Path, threads: int) -> dict[str, str]:
@@ -55,7 +55,7 @@ def test_the_shipped_model_matches_its_build_record() -> None:
 def test_a_first_run_copies_the_shipped_build(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import orchestrator.cli.model as model_cli
+    import rollcall.orchestrator.cli.model as model_cli
 
     def no_build(**_: Any) -> None:
         raise AssertionError("built the tiny model although a build is shipped")

@@ -10,9 +10,9 @@ from typing import Any, ClassVar
 
 import pytest
 
-from tasks.base import BaseTask, Observation, TaskSpec, Tool
-from tasks.calculator import CalculatorSpec, CalculatorTask
-from workers.rollout.tools import ToolRunner
+from rollcall.tasks.base import BaseTask, Observation, TaskSpec, Tool
+from rollcall.tasks.calculator import CalculatorSpec, CalculatorTask
+from rollcall.workers.episode.tools import ToolRunner
 
 # A lock of the node's, held by one of its threads (an agent loop, the heartbeat) while the
 # tool process starts; a tool takes it.

@@ -11,10 +11,10 @@ from typing import Any, ClassVar
 
 import pytest
 
-from orchestrator.config import RunConfig
-from orchestrator.errors import UserError
-from orchestrator.runner.rundir import RunDir
-from orchestrator.runner.trackers import Trackers, scalars_of
+from rollcall.orchestrator.config import RunConfig
+from rollcall.orchestrator.errors import UserError
+from rollcall.orchestrator.runner.rundir import RunDir
+from rollcall.orchestrator.runner.trackers import Trackers, scalars_of
 from tests.support import trackers as read
 
 ALL = ["tensorboard", "wandb", "mlflow"]
@@ -126,7 +126,7 @@ class _Breaking:
 
 
 def test_a_failing_tracker_is_dropped_and_the_others_go_on(tmp_path: Path) -> None:
-    from orchestrator.runner.trackers import TensorBoardTracker
+    from rollcall.orchestrator.runner.trackers import TensorBoardTracker
 
     said: list[str] = []
     breaking = _Breaking()
@@ -194,8 +194,8 @@ def test_an_mlflow_password_stays_out_of_the_run_directory(
     URI with the password masked; the same store is recognised on the next start."""
     import mlflow
 
-    from orchestrator.config import TrackingConfig
-    from orchestrator.runner.trackers import MlflowTracker
+    from rollcall.orchestrator.config import TrackingConfig
+    from rollcall.orchestrator.runner.trackers import MlflowTracker
 
     monkeypatch.setattr(mlflow, "MlflowClient", FakeMlflowClient)
     cfg = TrackingConfig(mlflow_uri="https://rollcall:s3cret@mlflow.example:5000")

@@ -1,5 +1,5 @@
-"""How a failure of user code is described (``workers.rollout.usercode``) and when a task whose
-code keeps failing is paused (``workers.rollout.guard``)."""
+"""How a failure of user code is described (``rollcall.workers.episode.usercode``) and when a task whose
+code keeps failing is paused (``rollcall.workers.rollout.guard``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from workers.rollout.guard import TaskGuard
-from workers.rollout.usercode import UserCodeError, check_reward, code_location, user_call
+from rollcall.workers.episode.usercode import UserCodeError, check_reward, code_location, user_call
+from rollcall.workers.rollout.guard import TaskGuard
 
 
 def _inventory(sku: str) -> int:
@@ -35,8 +35,8 @@ def test_the_location_is_the_innermost_frame_of_the_users_code() -> None:
     # the user's frames first (innermost last), then the whole traceback
     mine, _, whole = e.trace.partition("the whole traceback:")
     assert mine.index("in _agent") < mine.index("in _inventory")
-    assert "workers/rollout/usercode.py" not in mine  # rollcall's own frames are not the user's
-    assert "workers/rollout/usercode.py" in whole and "Traceback (most recent call last)" in whole
+    assert "workers/episode/usercode.py" not in mine  # rollcall's own frames are not the user's
+    assert "workers/episode/usercode.py" in whole and "Traceback (most recent call last)" in whole
     assert e.kind == "raised" and not e.input_independent
     assert isinstance(e.__cause__, RuntimeError)
 
@@ -80,7 +80,7 @@ def _err(message: str = "the agent raised RuntimeError: x", **kw: object) -> Use
 
 
 def test_the_evidence_a_task_fails_on_most_inputs() -> None:
-    from workers.rollout.guard import needed
+    from rollcall.workers.rollout.guard import needed
 
     # six quarantines in a row; then at least four fifths, and a binomial test against "half
     # the inputs fail" at 1/64

@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from workers.rollout.engines.base import Generation
-from workers.rollout.engines.vllm import Gate, sampled_generation
+from rollcall.workers.episode.engine import Generation
+from rollcall.workers.rollout.engines.vllm import Gate, sampled_generation
 
 EOS = 2
 
@@ -79,8 +79,8 @@ def test_a_load_waits_for_generations_in_flight_and_holds_back_later_ones() -> N
 def test_the_worker_is_always_a_process_of_its_own(device: str, gpus: int) -> None:
     """On one GPU vLLM would run the worker (and the watchdog with it) inside the EngineCore,
     where a hung EngineCore would stop the watchdog too and outlive its node."""
-    from orchestrator.config import VLLMEngineConfig
-    from workers.rollout.engines.vllm import engine_kwargs
+    from rollcall.orchestrator.config import VLLMEngineConfig
+    from rollcall.workers.rollout.engines.vllm import engine_kwargs
 
     config = VLLMEngineConfig(device=device, tensor_parallel_size=gpus)
     kwargs = engine_kwargs("/m", config, seed=3)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.procfs import alive, children_of
+from rollcall.orchestrator.procfs import alive, children_of
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ CORE = textwrap.dedent(
     if layout == "mp":
         subprocess.Popen([sys.executable, __file__, "worker", str(owner), report])
     else:
-        from workers.rollout.engines.vllm import RollcallWorkerExtension
+        from rollcall.workers.rollout.engines.vllm import RollcallWorkerExtension
         watched = RollcallWorkerExtension().rollcall_watch(owner, 0.05)
         with open(report + ".tmp", "w") as f:
             json.dump(list(watched), f)

@@ -7,14 +7,14 @@ from typing import Any
 
 import pytest
 
-from tasks import registry
-from tests.conftest import make_cli_runner
-from workers.warmstart import (
+from rollcall.tasks import registry
+from rollcall.workers.warmstart import (
     build_dataset,
     lazy_transcript,
     make_lazy_answer,
     transcript,
 )
+from tests.conftest import make_cli_runner
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from workers.trainer.weights import load_into, publish
+from rollcall.workers.weights import load_into, publish
 
 
 class Tiny(torch.nn.Module):

@@ -50,7 +50,7 @@ def _require_vllm() -> None:
 @pytest.fixture(scope="session")
 def vllm_tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with head size 32 (vLLM's CPU attention needs 32 or more)."""
-    from workers.tiny_model import build_tiny
+    from rollcall.workers.tiny_model import build_tiny
 
     return built_once(tmp_path_factory, "tiny-vllm", lambda d: build_tiny(d, heads=2))
 

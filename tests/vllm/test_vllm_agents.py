@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.config import VLLMEngineConfig
-from orchestrator.db.engine import Database
+from rollcall.orchestrator.config import VLLMEngineConfig
+from rollcall.orchestrator.db.engine import Database
 from tests.integration.test_agents import kill_mid_call_and_replay
 
 pytestmark = pytest.mark.timeout(900)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.config import VLLMEngineConfig
+from rollcall.orchestrator.config import VLLMEngineConfig
 from tests.support.agreement import assert_agree, describe, onpolicy_step_metrics
 
 pytestmark = pytest.mark.timeout(900)
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(900)
 
 @pytest.fixture(scope="module")
 def vllm_float32(vllm_tiny_dir: Path) -> Iterator[Any]:
-    from workers.rollout.engines.vllm import VLLMEngine
+    from rollcall.workers.rollout.engines.vllm import VLLMEngine
 
     # vLLM on CPU serves float32 when asked; dtype "auto" serves this float32 model in bf16
     # (measured: as with dtype "bfloat16", on-policy mean log-weight 5.7e-5, max weight 1.0043)
@@ -48,10 +48,10 @@ def test_vllm_loads_bf16_published_weights_into_its_float32_model(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from workers.rollout.engines.base import GenerationRequest
-    from workers.trainer.forward import token_logprobs
-    from workers.trainer.packing import pack
-    from workers.trainer.weights import publish
+    from rollcall.workers.episode.engine import GenerationRequest
+    from rollcall.workers.trainer.forward import token_logprobs
+    from rollcall.workers.trainer.packing import pack
+    from rollcall.workers.weights import publish
 
     torch.manual_seed(3)
     state = load_file(str(vllm_tiny_dir / "model.safetensors"))

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.config import VLLMEngineConfig
+from rollcall.orchestrator.config import VLLMEngineConfig
 from tests.support.agreement import assert_agree, describe, onpolicy_step_metrics
 
 pytestmark = pytest.mark.timeout(900)
@@ -19,7 +19,7 @@ def test_vllm_engine_onpolicy_is_weight_is_one_on_smollm2(
     smollm2_dir: Path, ray_local: Any
 ) -> None:
     """SmolLM2-135M-Instruct (head size 64, which vLLM's CPU attention serves) in float32."""
-    from workers.rollout.engines.vllm import VLLMEngine
+    from rollcall.workers.rollout.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(
         smollm2_dir, VLLMEngineConfig(device="cpu", dtype="float32", max_model_len=1024)

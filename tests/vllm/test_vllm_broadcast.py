@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.db.engine import Database
+from rollcall.orchestrator.db.engine import Database
 from tests.integration.buffer_helpers import rows, scalar
 from tests.integration.test_weight_broadcast import broadcasts, config, nothing_lost, run_job
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from orchestrator.config import VLLMEngineConfig
-from workers.rollout.engines.base import EngineFailure, GenerationRequest
+from rollcall.orchestrator.config import VLLMEngineConfig
+from rollcall.workers.episode.engine import EngineFailure, GenerationRequest
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -28,8 +28,8 @@ def _trainer_logprobs(model_dir: Path, state: dict[str, Any] | None, ids: list[i
     import torch
     from transformers import AutoModelForCausalLM
 
-    from workers.trainer.forward import token_logprobs
-    from workers.trainer.packing import pack
+    from rollcall.workers.trainer.forward import token_logprobs
+    from rollcall.workers.trainer.packing import pack
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     if state is not None:
@@ -50,7 +50,7 @@ def _max_err(
 
 @pytest.fixture(scope="module")
 def vllm_engine(vllm_tiny_dir: Path) -> Iterator[Any]:
-    from workers.rollout.engines.vllm import VLLMEngine
+    from rollcall.workers.rollout.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(vllm_tiny_dir, VLLMEngineConfig(device="cpu", dtype="float32"))
     try:
@@ -72,7 +72,7 @@ def _weights(model_dir: Path, seed: int) -> dict[str, Any]:
 def test_a_failed_load_serves_nothing_until_a_later_version_loads(
     vllm_engine: Any, vllm_tiny_dir: Path, tmp_path: Path
 ) -> None:
-    from workers.trainer.weights import publish
+    from rollcall.workers.weights import publish
 
     reqs = [GenerationRequest([5, 6, 7, 8 + i], 16, T) for i in range(3)]
     before = vllm_engine.generate(reqs)
@@ -118,8 +118,8 @@ def test_a_failed_load_serves_nothing_until_a_later_version_loads(
 def test_a_dead_engine_core_is_an_engine_failure_and_leaves_no_process(
     vllm_engine: Any,
 ) -> None:
-    from orchestrator.procfs import alive
-    from workers.rollout.engines.vllm import all_engine_processes
+    from rollcall.orchestrator.engineprocs import all_engine_processes
+    from rollcall.orchestrator.procfs import alive
 
     procs = set(vllm_engine.engine_pids())
     core = [vllm_engine.processes["engine_core"]]
@@ -150,8 +150,8 @@ def test_an_engine_core_that_dies_during_a_weight_load_ends_the_load_at_once(
     # vLLM never answers a collective_rpc that was in flight when its EngineCore died: the
     # load waited out its whole timeout, holding the gate, so the node's loops and heartbeat
     # stalled with it (in a job: declared dead by the heartbeat sweep, not by itself)
-    from workers.rollout.engines.vllm import VLLMEngine
-    from workers.trainer.weights import publish
+    from rollcall.workers.rollout.engines.vllm import VLLMEngine
+    from rollcall.workers.weights import publish
 
     engine = VLLMEngine(vllm_tiny_dir, VLLMEngineConfig(device="cpu", load_timeout_s=60))
     try:
@@ -169,8 +169,8 @@ def test_an_engine_core_that_dies_during_a_weight_load_ends_the_load_at_once(
 
 
 def test_the_engine_refuses_a_mismatched_build_or_head_size(tmp_path: Path) -> None:
-    from workers.rollout.engines.vllm import EngineUnavailable, VLLMEngine
-    from workers.tiny_model import build_tiny
+    from rollcall.workers.rollout.engines.vllm import EngineUnavailable, VLLMEngine
+    from rollcall.workers.tiny_model import build_tiny
 
     model = build_tiny(tmp_path / "m", heads=4)  # head size 16
     with pytest.raises(EngineUnavailable, match="set device: cpu"):

@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.buffer.invariants import check_invariants
-from orchestrator.db.engine import Database
-from orchestrator.procfs import alive
-from orchestrator.services.drills import Drills
+from rollcall.orchestrator.buffer.invariants import check_invariants
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.engineprocs import engine_processes
+from rollcall.orchestrator.procfs import alive
+from rollcall.orchestrator.services.drills import Drills
 from tests.chaos.test_faults import _config, _driver
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support.waiting import wait_for
-from workers.rollout.engines.vllm import engine_processes
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.buffer.service import Buffer
-from orchestrator.config import BufferConfig, VLLMEngineConfig
-from orchestrator.db.engine import Database
-from orchestrator.procfs import alive
+from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
+from rollcall.orchestrator.config import BufferConfig, VLLMEngineConfig
+from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.engineprocs import engine_processes
+from rollcall.orchestrator.procfs import alive
+from rollcall.workers.episode.loop import Limits
+from rollcall.workers.rollout.node import NodeConfig, rollout_actor
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support.waiting import wait_for
-from workers.rollout.agent import Limits
-from workers.rollout.engines.vllm import engine_processes
-from workers.rollout.node import NodeConfig, rollout_actor
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -44,8 +44,8 @@ def test_a_vllm_node_survives_a_failed_load_and_gives_back_a_dead_engines_leases
     ray_local: Any, vllm_tiny_dir: Path, db: Database, db_url: str, engine: sa.Engine,
     tmp_path: Path,
 ) -> None:  # fmt: skip
-    from orchestrator.services.tasks import register_task
-    from workers.trainer.weights import publish
+    from rollcall.orchestrator.services.tasks import register_task
+    from rollcall.workers.weights import publish
 
     with db.transaction() as tx:
         register_task(
@@ -53,7 +53,7 @@ def test_a_vllm_node_survives_a_failed_load_and_gives_back_a_dead_engines_leases
             max_staleness=50, max_inflight=4, spec_data={"group_size": 2, "max_turns": 3},
         )  # fmt: skip
     buffer = BufferConfig(batch_groups=2)
-    Buffer(db, 1, buffer).seed()
+    ControlPlaneBuffer(db, 1, buffer).seed()
     node = rollout_actor(num_cpus=1).remote(
         db_url,
         1,

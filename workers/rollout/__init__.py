@@ -1,1 +1,3 @@
-"""Rollout nodes: the agent loop, tool execution and inference engines."""
+"""Rollout nodes: the Ray actor (``node``) over its sample scheduler, lease book, weight sync,
+breaker and upkeep, and the inference engines it hosts (``engines``). One episode is played
+by ``rollcall.workers.episode``."""

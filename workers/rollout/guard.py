@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 
-from workers.rollout.usercode import UserCodeError
+from rollcall.workers.episode.usercode import UserCodeError
 
 ALPHA = 1 / 64  # the binomial test's level: P(so many failures | half the inputs fail)
 MIN_FRACTION = 0.8

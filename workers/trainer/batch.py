@@ -14,16 +14,16 @@ from typing import Any
 
 import numpy as np
 
-from orchestrator.algorithms import LossConfig
-from orchestrator.buffer.types import Batch
-from workers.trainer.grpo import (
+from rollcall.orchestrator.algorithms import LossConfig
+from rollcall.orchestrator.buffer.types import Batch
+from rollcall.workers.trainer.grpo import (
     StepTotals,
     advantage_stats,
     batch_advantages,
     sequence_scale,
     staleness,
 )
-from workers.trainer.packing import plan_micro_batches
+from rollcall.workers.trainer.packing import plan_micro_batches
 
 
 @dataclass(frozen=True)

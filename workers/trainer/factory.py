@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.config import TrainerConfig
+from rollcall.orchestrator.config import TrainerConfig
 
 
 def make_trainer(config: TrainerConfig, model_dir: str, **kwargs: Any) -> Any:
     """A ``TrainerGroup`` (``trainer.timing_model`` unset) or a ``TimingTrainerGroup``; both
     take the same arguments and offer the same methods to the job driver."""
     if config.timing_model is not None:
-        from workers.trainer.timing import TimingTrainerGroup
+        from rollcall.workers.trainer.timing import TimingTrainerGroup
 
         return TimingTrainerGroup(config, model_dir, **kwargs)
-    from workers.trainer.group import TrainerGroup
+    from rollcall.workers.trainer.group import TrainerGroup
 
     return TrainerGroup(config, model_dir, **kwargs)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from workers.trainer.packing import PackedBatch
+    from rollcall.workers.trainer.packing import PackedBatch
 
 _VARLEN_KERNELS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn")
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.config import TrainerConfig
-from workers.trainer.batch import StepPlan
-from workers.trainer.grpo import LossStats
-from workers.trainer.rank import RankSettings, trainer_actor
+from rollcall.orchestrator.config import TrainerConfig
+from rollcall.workers.trainer.batch import StepPlan
+from rollcall.workers.trainer.grpo import LossStats
+from rollcall.workers.trainer.rank import RankSettings, trainer_actor
 
 SHUTDOWN_TIMEOUT_S = 30.0
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.algorithms import (
+from rollcall.orchestrator.algorithms import (
     AdvantageEstimator,
     Aggregation,
     ConstantNormaliser,

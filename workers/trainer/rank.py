@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.algorithms import LossConfig
-from workers.trainer.batch import TrainSequence
-from workers.trainer.grpo import LossStats, agreement_stats, needs_proximal, policy_loss
+from rollcall.orchestrator.algorithms import LossConfig
+from rollcall.workers.trainer.batch import TrainSequence
+from rollcall.workers.trainer.grpo import LossStats, agreement_stats, needs_proximal, policy_loss
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,12 @@ class RankSettings:
     # mid-transaction must not keep its worker row from the dead-worker sweep); the driver
     # sets control_plane.heartbeat_timeout_s
     db_idle_tx_timeout_s: float = 60.0
+
+
+def _loopback_interface() -> str:
+    """The name of this machine's loopback interface: ``lo`` on Linux (``lo0`` elsewhere)."""
+    names = {name for _, name in socket.if_nameindex()}
+    return "lo" if "lo" in names or "lo0" not in names else "lo0"
 
 
 def lr_factor(update: int, *, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
@@ -104,7 +110,15 @@ class TrainerRank:
         s = self.settings
         torch.set_num_threads(s.threads)
         cuda = s.device.startswith("cuda")
-        if not dist.is_initialized():
+        if not dist.is_initialized() and self.world == 1:
+            # one rank: no rendezvous to serve (a TCPStore listens on every interface, with
+            # no authentication), and gloo's own socket on loopback (docs/security.md)
+            if not cuda:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+            dist.init_process_group(
+                "nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1
+            )
+        elif not dist.is_initialized():
             dist.init_process_group(
                 "nccl" if cuda else "gloo",
                 init_method=f"tcp://{master[0]}:{master[1]}",
@@ -173,12 +187,12 @@ class TrainerRank:
             return
         import ray
 
-        from orchestrator.buffer.service import Buffer
-        from orchestrator.db.engine import open_database
-        from orchestrator.domain import WorkerRole
+        from rollcall.orchestrator.buffer.rollout import RolloutBuffer
+        from rollcall.orchestrator.db.engine import open_database
+        from rollcall.orchestrator.domain import WorkerRole
 
         db = open_database(s.database_url, pool_size=1, idle_tx_timeout_s=s.db_idle_tx_timeout_s)
-        self.buffer = Buffer(db, s.job_id)
+        self.buffer = RolloutBuffer(db, s.job_id)
         self.worker_id = self.buffer.register_worker(
             f"trainer-{self.rank}",
             role=WorkerRole.TRAINER,
@@ -268,8 +282,8 @@ class TrainerRank:
     def _forward(self, micro: list[TrainSequence], *, grad: bool, model: Any = None) -> Any:
         import torch
 
-        from workers.trainer.forward import token_logprobs
-        from workers.trainer.packing import pack
+        from rollcall.workers.trainer.forward import token_logprobs
+        from rollcall.workers.trainer.packing import pack
 
         model = model or self.model
         seqs = [s.token_ids.tolist() for s in micro] or [[0]]
@@ -325,7 +339,7 @@ class TrainerRank:
         ``background`` (the collective transport) rank 0 keeps the tensors for ``broadcast``
         and writes the file on a thread, off the step's critical path: the location returned
         holds the version once the write is done (readers see all of it or nothing)."""
-        from workers.trainer.weights import publish, version_dir
+        from rollcall.workers.weights import publish, version_dir
 
         sd = self.full_state_dict()
         if sd is None:
@@ -361,7 +375,7 @@ class TrainerRank:
     def weights_offer(self) -> dict[str, Any] | None:
         """Rank 0: what a broadcast of the last published version carries (its rendezvous,
         the tensors in order); None on other ranks or before a background publication."""
-        from workers import collective
+        from rollcall.workers import collective
 
         if self.rank != 0 or self._staged is None:
             return None
@@ -381,7 +395,7 @@ class TrainerRank:
         """Rank 0: broadcast the staged version to the offer's group; the seconds it took.
         Raises ``BroadcastFailed`` when a member failed (the group is aborted; this process
         goes on)."""
-        from workers import collective
+        from rollcall.workers import collective
 
         assert self._staged is not None and self._staged[0] == offer["version"]
         return collective.send(self._rendezvous, collective.Offer.from_json(offer), self._staged[1])
@@ -454,7 +468,7 @@ class TrainerRank:
             set_model_state_dict,
         )
 
-        from workers.trainer.weights import WEIGHTS_FILE, read_metadata
+        from rollcall.workers.weights import WEIGHTS_FILE, read_metadata
 
         recorded = read_metadata(location).get("updates")
         updates = int(recorded) if recorded is not None else updates
@@ -502,7 +516,7 @@ class TrainerRank:
         with contextlib.suppress(Exception):  # the last version's file, if still being written
             self.wait_for_files()
         if self.worker_id is not None:
-            from orchestrator.domain import WorkerStatus
+            from rollcall.orchestrator.domain import WorkerStatus
 
             self.buffer.requeue_worker(self.worker_id, WorkerStatus.STOPPED)
         if dist.is_initialized():

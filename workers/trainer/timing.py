@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import TimingTrainerConfig, TrainerConfig
-from workers.trainer.batch import StepPlan, TrainSequence
-from workers.trainer.weights import publish_with
+from rollcall.orchestrator.config import TimingTrainerConfig, TrainerConfig
+from rollcall.workers.trainer.batch import StepPlan, TrainSequence
+from rollcall.workers.weights import publish_with
 
 HEARTBEAT_INTERVAL_S = 2.0
 
@@ -71,12 +71,12 @@ class TimingTrainerRank:
         return {"rank": 0, "pid": os.getpid(), "worker_id": self.worker_id}
 
     def _register(self, database_url: str, job_id: int) -> None:
-        from orchestrator.buffer.service import Buffer
-        from orchestrator.db.engine import open_database
-        from orchestrator.domain import WorkerRole
+        from rollcall.orchestrator.buffer.rollout import RolloutBuffer
+        from rollcall.orchestrator.db.engine import open_database
+        from rollcall.orchestrator.domain import WorkerRole
 
         db = open_database(database_url, pool_size=1, idle_tx_timeout_s=self.db_idle_tx_timeout_s)
-        self.buffer = Buffer(db, job_id)
+        self.buffer = RolloutBuffer(db, job_id)
         self.worker_id = self.buffer.register_worker(
             "trainer-0", role=WorkerRole.TRAINER, host=socket.gethostname(), pid=os.getpid()
         ).id
@@ -136,7 +136,7 @@ class TimingTrainerRank:
     def shutdown(self) -> None:
         self._stop.set()
         if self.worker_id is not None and self.buffer is not None:
-            from orchestrator.domain import WorkerStatus
+            from rollcall.orchestrator.domain import WorkerStatus
 
             self.buffer.requeue_worker(self.worker_id, WorkerStatus.STOPPED)
 
@@ -160,7 +160,7 @@ class TimingTrainerGroup:
     ) -> None:
         import ray
 
-        from workers.trainer.group import TrainerStartError, wait_placed
+        from rollcall.workers.trainer.group import TrainerStartError, wait_placed
 
         assert config.timing_model is not None
         self.config = config

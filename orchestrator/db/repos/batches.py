@@ -1,6 +1,6 @@
 """The trainer's side of the buffer: batch claims, staleness expiry, atomic step commits.
 
-Guarantees (with ``orchestrator.buffer``):
+Guarantees (with ``rollcall.orchestrator.buffer``):
 
 - Batch claims of one job are serialised by a transaction-scoped advisory lock.
 - A group is claimed whole, only if its oldest sample's policy version is within its task's
@@ -26,10 +26,10 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.expression import bindparam
 
-from orchestrator.db.models import Trajectory
-from orchestrator.db.notify import groups_channel
-from orchestrator.db.repos.trajectories import TrajectoryRepository
-from orchestrator.domain import BatchGroup, BatchTrajectory
+from rollcall.orchestrator.db.models import Trajectory
+from rollcall.orchestrator.db.notify import groups_channel
+from rollcall.orchestrator.db.repos.trajectories import TrajectoryRepository
+from rollcall.orchestrator.domain import BatchGroup, BatchTrajectory
 
 _BATCH_LOCK_NS = 0x524F4C4C  # "ROLL": namespace of the advisory lock per job
 
@@ -114,7 +114,8 @@ class BatchRepository:
         return _step(row) if row else None
 
     def notify_group_done(self, job_id: int) -> None:
-        """Wake the job's trainer loop if it waits for a full batch (``orchestrator.db.notify``;
+        """Wake the job's trainer loop if it waits for a full batch
+        (``rollcall.orchestrator.db.notify``;
         delivered when this transaction commits)."""
         self.session.execute(text("SELECT pg_notify(:c, '')"), {"c": groups_channel(job_id)})
 

@@ -1,6 +1,6 @@
 """Episodes: seeding, claims, leases, requeue and quarantine.
 
-Guarantees (with the callers in ``orchestrator.buffer``):
+Guarantees (with the callers in ``rollcall.orchestrator.buffer``):
 
 - A claim (``rollcall_claim``, one statement) locks the task row, recounts the task's leased
   episodes under that lock and takes one queued episode with ``FOR UPDATE SKIP LOCKED``: no
@@ -28,10 +28,10 @@ from sqlalchemy import text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from orchestrator.db import raw
-from orchestrator.db.jsontext import plain_text
-from orchestrator.db.models import Episode
-from orchestrator.quotas import TaskLoad
+from rollcall.orchestrator.db import raw
+from rollcall.orchestrator.db.jsontext import plain_text
+from rollcall.orchestrator.db.models import Episode
+from rollcall.orchestrator.quotas import TaskLoad
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ class EpisodeRepository:
         wait: bool,
     ) -> tuple[LeasedRow | None, list[int]]:
         """Try the tasks in order and lease the oldest queued episode of the first one that is
-        claimable and under its ``max_inflight`` (``rollcall_claim``, see migration 0002).
+        claimable and under its ``max_inflight`` (``rollcall_claim``: orchestrator/db/schema.sql).
 
         Run it in autocommit (``Database.autocommit()``): the task lock is then held only while
         the function runs. ``wait=False`` skips tasks whose lock another claimer holds and

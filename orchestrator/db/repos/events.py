@@ -8,9 +8,9 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from orchestrator.db import jsontext
-from orchestrator.db.models import Event
-from orchestrator.domain import EventView
+from rollcall.orchestrator.db import jsontext
+from rollcall.orchestrator.db.models import Event
+from rollcall.orchestrator.domain import EventView
 
 
 def event_view(e: Event) -> EventView:

@@ -106,9 +106,11 @@ class InvariantRepository:
                 """
                 SELECT e.id AS episode_id, e.task_id, tr.sample_index, tr.status::text AS status,
                        tr.num_turns, tr.num_tokens,
-                       CASE jsonb_typeof(tr.env_state->'state'->'journal')
-                            WHEN 'array' THEN jsonb_array_length(tr.env_state->'state'->'journal')
-                            ELSE 0 END AS agent_calls
+                       COALESCE(tr.journal_calls,
+                           CASE jsonb_typeof(tr.env_state->'state'->'journal')
+                                WHEN 'array'
+                                THEN jsonb_array_length(tr.env_state->'state'->'journal')
+                                ELSE 0 END) AS agent_calls
                 FROM episodes e
                 LEFT JOIN trajectories tr ON tr.task_id = e.task_id AND tr.episode_id = e.id
                 WHERE e.lease_owner = :w AND e.status = 'leased'

@@ -12,10 +12,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.expression import bindparam
 
-from orchestrator.db.driver_lock import DRIVER_LOCK_NS
-from orchestrator.db.models import Job
-from orchestrator.domain import JobStatus, JobView
-from orchestrator.errors import ConflictError
+from rollcall.orchestrator.db.driver_lock import DRIVER_LOCK_NS
+from rollcall.orchestrator.db.models import Job
+from rollcall.orchestrator.domain import JobStatus, JobView
+from rollcall.orchestrator.errors import ConflictError
 
 
 def job_view(job: Job) -> JobView:

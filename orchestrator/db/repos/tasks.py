@@ -2,8 +2,8 @@
 
 Registration inserts the task and attaches its partition in the caller's transaction, so a
 failure leaves neither behind; retirement detaches the partition (the rows stay, in a table
-of their own). Partition DDL goes through SECURITY DEFINER functions created by the migration,
-so the runtime database role needs no CREATE privilege.
+of their own). Partition DDL goes through SECURITY DEFINER functions (orchestrator/db/
+schema.sql), so the runtime database role needs no CREATE privilege.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from sqlalchemy import func, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from orchestrator.db.jsontext import plain_text
-from orchestrator.db.models import Episode, Job, Task, Trajectory, partition_name
-from orchestrator.domain import TaskCounts, TaskStatus, TaskView
-from orchestrator.errors import ConflictError
+from rollcall.orchestrator.db.jsontext import plain_text
+from rollcall.orchestrator.db.models import Episode, Job, Task, Trajectory, partition_name
+from rollcall.orchestrator.domain import TaskCounts, TaskStatus, TaskView
+from rollcall.orchestrator.errors import ConflictError
 
 
 def task_view(task: Task, job_name: str) -> TaskView:

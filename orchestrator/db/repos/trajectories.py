@@ -1,33 +1,60 @@
 """Trajectories: per-turn checkpoints, commits, and the samples a resumed claim continues.
 
-Every write is one call of ``rollcall_write_sample`` (migrations 0002, 0005), which fences it
-by the lease epoch, never overwrites a committed sample (checkpoints and commits only update
-rows that are still ``in_progress``, which makes a repeated commit a no-op), and marks the
-episode done when its group's last sample is committed. A write carries the payload's tokens
-from ``start`` on: the tokens before it are already stored as ``trajectory_segments`` rows,
-which the write leaves untouched (append-only turns). A sample's payload is read back by
-concatenating its segments.
+Every write is one call of ``rollcall_write_sample`` (its definition: ``orchestrator/db/
+schema.sql``), which fences it by the lease epoch, never overwrites a committed sample
+(checkpoints and commits only update rows that are still ``in_progress``, which makes a
+repeated commit a no-op), and marks the episode done when its group's last sample is committed.
+A write carries the payload's tokens from ``start`` on: the tokens before it are already stored
+as ``trajectory_segments`` rows, which the write leaves untouched (append-only turns). An agent
+sample's record of calls (``env_state["state"]["journal"]``, marked with how many entries its
+writer knows are stored) is stored the same way: the entries past the mark as ``agent_journal``
+rows, the state without them in ``env_state``. A sample's payload is read back by concatenating
+its segments, and its journal entries put back into its state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from orchestrator.db import raw
-from orchestrator.db.models import Trajectory
-from orchestrator.domain import SampleState, TrajectoryPayload, TrajectoryStatus
-from orchestrator.errors import PayloadMissingError
+from rollcall.orchestrator.db import raw
+from rollcall.orchestrator.db.models import Trajectory
+from rollcall.orchestrator.domain import (
+    JOURNAL,
+    JOURNAL_STORED,
+    SampleState,
+    TrajectoryPayload,
+    TrajectoryStatus,
+)
+from rollcall.orchestrator.errors import PayloadMissingError
 
 SampleKey = tuple[int, int, int]  # (task id, episode id, sample index)
 
 # Checkpoint (no reward) or commit one sample, fenced by the lease epoch, in one statement:
 # fencing, the write that never overwrites a committed sample, the idempotent re-commit and the
-# group's completion are all ``rollcall_write_sample`` (migrations 0002, 0005).
-_WRITE_SAMPLE = f"SELECT * FROM rollcall_write_sample({', '.join(['%s'] * 18)})"
+# group's completion are all ``rollcall_write_sample`` (orchestrator/db/schema.sql).
+_WRITE_SAMPLE = f"SELECT * FROM rollcall_write_sample({', '.join(['%s'] * 20)})"
+# The outcome of a write whose journal mark counts entries that are not stored: nothing was
+# written; the write is made again with the whole journal.
+_REBASE_JOURNAL = "rebase_journal"
+
+
+def _split_journal(env_state: dict[str, Any]) -> tuple[dict[str, Any], int, list[Any] | None]:
+    """(env_state without the journal, where the entries to write start, those entries) for
+    a state with the writer's JOURNAL_STORED mark; (env_state, 0, None) for any other."""
+    state = env_state.get("state")
+    if not isinstance(state, dict):
+        return env_state, 0, None
+    journal, stored = state.get(JOURNAL), state.get(JOURNAL_STORED)
+    if not isinstance(journal, list) or not isinstance(stored, int) or isinstance(stored, bool):
+        return env_state, 0, None
+    start = max(0, min(stored, len(journal)))
+    rest = {k: v for k, v in state.items() if k not in (JOURNAL, JOURNAL_STORED)}
+    return {**env_state, "state": rest}, start, journal[start:]
 
 
 def _write_params(
@@ -38,8 +65,13 @@ def _write_params(
     reward: float | None,
     reward_info: dict[str, Any] | None,
     start: int,
+    journal_rebase: bool = False,
 ) -> tuple[Any, ...]:
+    """The write's arguments; ``journal_rebase``: the whole journal, whatever its mark says."""
     e = payload.encoded(start)
+    env_state, journal_start, journal = _split_journal(e["env_state"])
+    if journal_rebase and journal is not None:
+        journal_start, journal = 0, list(payload.env_state["state"][JOURNAL])
     return (
         episode_id,
         epoch,
@@ -55,10 +87,12 @@ def _write_params(
         e["turn_offsets"],
         e["turn_versions"],
         e["min_policy_version"],
-        raw.jsonb(e["env_state"]),
+        raw.jsonb(env_state),
         e["finished"],
         reward,
         raw.jsonb(reward_info or {}),
+        journal_start,
+        None if journal is None else raw.jsonb(journal),
     )
 
 
@@ -78,19 +112,18 @@ class TrajectoryRepository:
         start: int = 0,
     ) -> tuple[str, bool]:
         """Checkpoint (no reward) or commit one sample, fenced, in one statement
-        (``rollcall_write_sample``, migration 0005), writing the payload's tokens from
-        ``start`` on (those before it must be stored already). Returns (outcome, group_done)
+        (``rollcall_write_sample``), writing the payload's tokens from ``start`` on (those
+        before it must be stored already) and its journal's entries past its mark (written
+        again from the first when the stored ones are fewer). Returns (outcome, group_done)
         with outcome ``written``, ``already``, ``stale`` or ``rebase`` (the stored tokens do
         not end at ``start``: nothing written; write again from 0). Run it in autocommit."""
-        row = (
-            raw.cursor(self.session)
-            .execute(
-                _WRITE_SAMPLE,
-                _write_params(episode_id, epoch, sample_index, payload, reward, reward_info, start),
-            )
-            .fetchone()
-        )
+        args = (episode_id, epoch, sample_index, payload, reward, reward_info, start)
+        cur = raw.cursor(self.session)
+        row = cur.execute(_WRITE_SAMPLE, _write_params(*args)).fetchone()
         assert row is not None
+        if row.outcome == _REBASE_JOURNAL:
+            row = cur.execute(_WRITE_SAMPLE, _write_params(*args, journal_rebase=True)).fetchone()
+            assert row is not None
         return row.outcome, row.group_done
 
     def write_samples(
@@ -108,15 +141,20 @@ class TrajectoryRepository:
         sample is ``stale``, none was written."""
         if not samples:
             return []
+        args = [(episode_id, epoch, i, p, r, info, start) for i, p, r, info, start in samples]
+        out = self._write_many([_write_params(*a) for a in args])
+        again = [i for i, (outcome, _) in enumerate(out) if outcome == _REBASE_JOURNAL]
+        if again:
+            rewritten = self._write_many(
+                [_write_params(*args[i], journal_rebase=True) for i in again]
+            )
+            for i, result in zip(again, rewritten, strict=True):
+                out[i] = result
+        return out
+
+    def _write_many(self, params: list[tuple[Any, ...]]) -> list[tuple[str, bool]]:
         cur = raw.cursor(self.session)
-        cur.executemany(
-            _WRITE_SAMPLE,
-            [
-                _write_params(episode_id, epoch, i, p, r, info, start)
-                for i, p, r, info, start in samples
-            ],
-            returning=True,
-        )
+        cur.executemany(_WRITE_SAMPLE, params, returning=True)
         out: list[tuple[str, bool]] = []
         while True:
             row = cur.fetchone()
@@ -150,10 +188,19 @@ class TrajectoryRepository:
 
     def payloads(self, rows: Sequence[Trajectory]) -> list[TrajectoryPayload]:
         """The payloads of ``trajectories`` rows: their segments read in one query and
-        concatenated, checked to cover each sample's tokens exactly."""
+        concatenated, checked to cover each sample's tokens exactly; an agent sample's journal
+        entries read in one more and put back into its state (``state["journal"]``, in call
+        order), checked to be all there."""
         if not rows:
             return []
         parts = self._segments({(t.task_id, t.episode_id, t.sample_index) for t in rows})
+        journals = self._journals(
+            {
+                (t.task_id, t.episode_id, t.sample_index): t.journal_calls
+                for t in rows
+                if t.journal_calls is not None
+            }
+        )
         out = []
         for t in rows:
             key = (t.task_id, t.episode_id, t.sample_index)
@@ -165,11 +212,44 @@ class TrajectoryRepository:
                     f"sample {t.sample_index} of episode {t.episode_id} has {n} of its "
                     f"{t.num_tokens} tokens stored{dropped}"
                 )
-            out.append(
-                TrajectoryPayload.from_columns(
-                    t, b"".join(tokens), b"".join(mask), b"".join(logprobs)
-                )
+            payload = TrajectoryPayload.from_columns(
+                t, b"".join(tokens), b"".join(mask), b"".join(logprobs)
             )
+            if t.journal_calls is not None:
+                env = payload.env_state
+                state = {**env.get("state", {}), JOURNAL: journals.get(key, [])}
+                payload = dataclasses.replace(payload, env_state={**env, "state": state})
+            out.append(payload)
+        return out
+
+    def _journals(self, calls: dict[SampleKey, int]) -> dict[SampleKey, list[Any]]:
+        """Each sample's first ``calls[key]`` journal entries in call order; fewer stored than
+        that is an error."""
+        if not calls:
+            return {}
+        rows = self.session.execute(
+            text(
+                "SELECT task_id, episode_id, sample_index, seq, entry FROM agent_journal "
+                "WHERE task_id = ANY(:t) AND episode_id = ANY(:e) "
+                "ORDER BY task_id, episode_id, sample_index, seq"
+            ),
+            {"t": sorted({k[0] for k in calls}), "e": sorted({k[1] for k in calls})},
+        )
+        out: dict[SampleKey, list[Any]] = {key: [] for key in calls}
+        for r in rows:
+            key = (r.task_id, r.episode_id, r.sample_index)
+            entries = out.get(key)
+            if entries is None or r.seq >= calls[key]:
+                continue  # another sample, or an entry past the journal (a run started over)
+            if r.seq != len(entries):
+                break  # a gap: reported below
+            entries.append(r.entry)
+        for key, n in calls.items():
+            if len(out[key]) != n:
+                raise PayloadMissingError(
+                    f"sample {key[2]} of episode {key[1]} has {len(out[key])} of its {n} "
+                    "agent journal entries stored"
+                )
         return out
 
     def _segments(

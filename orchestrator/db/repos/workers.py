@@ -9,8 +9,8 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from orchestrator.db import jsontext
-from orchestrator.domain import WorkerRole, WorkerStatus
+from rollcall.orchestrator.db import jsontext
+from rollcall.orchestrator.domain import WorkerRole, WorkerStatus
 
 
 @dataclass(frozen=True)
@@ -199,6 +199,7 @@ class WorkerRepository:
                 SELECT DISTINCT ON (name) id, name, role::text AS role, status::text AS status,
                        host, pid, node_id,
                        incarnation, restarts, loaded_version, tokens_generated, status_reason,
+                       info->>'tool_sandbox' AS tool_sandbox,
                        extract(epoch FROM now() - last_heartbeat_at) AS heartbeat_age_s,
                        extract(epoch FROM now() - last_progress_at) AS progress_age_s
                 FROM workers WHERE job_id = :j ORDER BY name, incarnation DESC

@@ -1,2 +1,2 @@
-"""Inference engines behind one protocol (``base.Engine``): ``hf`` (transformers, CPU or GPU)
-and, in the optional ``vllm`` extra, vLLM."""
+"""Inference engines behind one protocol (``rollcall.workers.episode.engine.Engine``): ``hf``
+(transformers, CPU or GPU) and, in the optional ``vllm`` extra, vLLM."""

@@ -12,7 +12,12 @@ import queue
 import threading
 from concurrent.futures import Future
 
-from workers.rollout.engines.base import Engine, EngineHealth, Generation, GenerationRequest
+from rollcall.workers.episode.engine import (
+    Engine,
+    EngineHealth,
+    Generation,
+    GenerationRequest,
+)
 
 
 class BatchingEngine:

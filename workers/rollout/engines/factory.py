@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.config import (
+from rollcall.orchestrator.config import (
     EngineConfig,
     HFEngineConfig,
     TimingEngineConfig,
     VLLMEngineConfig,
 )
-from workers.rollout.engines.base import Engine
+from rollcall.workers.episode.engine import Engine
 
 
 def preload(config: EngineConfig) -> None:
@@ -32,7 +32,7 @@ def make_engine(
 ) -> Engine:
     """The configured engine. ``threads`` > 0 caps torch's CPU threads (engines on torch)."""
     if isinstance(config, TimingEngineConfig):  # no torch: a benchmark's timing model
-        from workers.rollout.engines.timing import TimingEngine
+        from rollcall.workers.rollout.engines.timing import TimingEngine
 
         return TimingEngine(config, model_dir, seed=seed)
     if threads > 0:
@@ -40,7 +40,7 @@ def make_engine(
 
         torch.set_num_threads(threads)
     if isinstance(config, HFEngineConfig):
-        from workers.rollout.engines.hf import HFEngine
+        from rollcall.workers.rollout.engines.hf import HFEngine
 
         return HFEngine(
             model_dir,
@@ -50,7 +50,7 @@ def make_engine(
             dtype=config.dtype,
         )
     if isinstance(config, VLLMEngineConfig):
-        from workers.rollout.engines.vllm import VLLMEngine
+        from rollcall.workers.rollout.engines.vllm import VLLMEngine
 
         return VLLMEngine(model_dir, config, seed=seed)
     raise TypeError(f"unknown engine config {config!r}")  # pragma: no cover

@@ -27,8 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from workers.rollout.engines.base import EngineHealth, Generation, GenerationRequest, seeded
-from workers.rollout.engines.kvstore import KVEntry, KVStore
+from rollcall.workers.episode.engine import (
+    EngineHealth,
+    Generation,
+    GenerationRequest,
+    seeded,
+)
+from rollcall.workers.rollout.engines.kvstore import KVEntry, KVStore
 
 DEFAULT_KV_CACHE_TOKENS = 65_536
 Source = tuple[KVEntry | None, int]  # a row's cached prefix: the entry holding it, its length
@@ -296,7 +301,7 @@ class HFEngine:
             self.kv.put(entry, supersedes=matches[i][0] if extends[i] else None)
 
     def load_weights(self, version: int, location: str) -> None:
-        from workers.trainer.weights import load_into
+        from rollcall.workers.weights import load_into
 
         with self._lock:
             try:
@@ -308,7 +313,7 @@ class HFEngine:
 
     def load_state(self, version: int, state: dict[str, Any]) -> None:
         """``load_weights`` from tensors in memory (a broadcast's, collective transport)."""
-        from workers.trainer.weights import copy_into
+        from rollcall.workers.weights import copy_into
 
         with self._lock:
             try:

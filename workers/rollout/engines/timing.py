@@ -36,8 +36,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from orchestrator.config import TimingEngineConfig
-from workers.rollout.engines.base import EngineHealth, Generation, GenerationRequest
+from rollcall.orchestrator.config import TimingEngineConfig
+from rollcall.workers.episode.engine import EngineHealth, Generation, GenerationRequest
 
 WEIGHTS_FILE = "model.safetensors"
 END_SCAN_TOKENS = 4096  # how far back from a context's end to look for the last end of turn

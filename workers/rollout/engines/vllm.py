@@ -57,6 +57,9 @@ What it owns and guarantees:
   ``Gate`` does (and all it does).
 - ``health()``: version, tokens generated, requests. ``close()`` shuts vLLM down and stops the
   loop thread.
+
+What runs inside vLLM's workers (the weight loads, the watchdog) is ``vllm_worker``; finding
+and killing vLLM's processes is ``rollcall.orchestrator.engineprocs``.
 """
 
 from __future__ import annotations
@@ -68,7 +71,6 @@ import importlib.util
 import itertools
 import json
 import os
-import signal
 import threading
 import time
 import uuid
@@ -76,24 +78,23 @@ from collections.abc import AsyncIterator, Collection, Coroutine, Mapping, Seque
 from pathlib import Path
 from typing import Any, TypeVar
 
-from orchestrator import procfs
-from orchestrator.config import VLLMEngineConfig
-from workers.rollout.engines.base import (
+from rollcall.orchestrator import procfs
+from rollcall.orchestrator.config import VLLMEngineConfig
+from rollcall.orchestrator.engineprocs import kill_engine_processes
+from rollcall.workers.episode.engine import (
     EngineFailure,
     EngineHealth,
     Generation,
     GenerationRequest,
     seeded,
 )
+from rollcall.workers.rollout.engines.vllm_worker import WEIGHTS_FILE, RollcallWorkerExtension
 
-WEIGHTS_FILE = "model.safetensors"  # what ``workers.trainer.weights.publish`` writes
 RESET_ATTEMPTS = 20  # reset_prefix_cache returns False while blocks are still in use ...
 RESET_RETRY_S = 0.05  # ... which right after the last request finished is a matter of a step
 WAIT_SLICE_S = 0.25  # how often a caller waiting on vLLM checks that its EngineCore lives
 
 T = TypeVar("T")
-# vLLM's process names as /proc shows them (a command name is cut at 15 characters)
-ENGINE_CORE = "VLLM::EngineCor"
 
 
 class EngineUnavailable(RuntimeError):
@@ -174,94 +175,6 @@ class Gate:
                 self._cond.notify_all()
 
 
-class RollcallWorkerExtension:
-    """Mixed into each of vLLM's workers (``worker_extension_cls``, by qualified name) and called
-    through ``collective_rpc``."""
-
-    model_runner: Any
-    vllm_config: Any
-
-    def rollcall_load_weights(self, location: str) -> dict[str, int]:
-        """Load a published version in place through vLLM's layer-wise reload; raise if any
-        parameter was left unset."""
-        from safetensors.torch import load_file
-
-        state = load_file(str(Path(location) / WEIGHTS_FILE), device="cpu")
-        return self._rollcall_load(state, location)
-
-    def rollcall_receive_weights(
-        self, offer: dict[str, Any], who: str, address: str
-    ) -> dict[str, Any]:
-        """Collective transport: join the offer's group, receive the version whole into
-        staging memory, then load it as ``rollcall_load_weights`` does. A broadcast that does
-        not complete returns ``{"error": ...}`` with the model untouched; a load that fails
-        raises (the engine's weights may then be half replaced)."""
-        from workers import collective
-
-        o = collective.Offer.from_json(offer)
-        device = "cuda" if o.backend == "nccl" else "cpu"
-        try:
-            state = collective.receive(o, device=device, who=who, address=address)
-        except collective.BroadcastFailed as e:
-            return {"error": str(e)}
-        return {"error": None, **self._rollcall_load(state, f"version {o.version} as received")}
-
-    def _rollcall_load(self, state: dict[str, Any], where: str) -> dict[str, int]:
-        import torch
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
-        model = self.model_runner.get_model()
-        expected = {name for name, _ in model.named_parameters()}
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            initialize_layerwise_reload(model)
-            loaded = model.load_weights(iter(state.items()))
-            finalize_layerwise_reload(model, self.vllm_config.model_config)
-            lm_head = getattr(model, "lm_head", None)
-            tied = getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False)
-            method = getattr(lm_head, "quant_method", None)
-            if tied and method is not None:  # CPU: the tied head's prepacked copy, made anew
-                method.process_weights_after_loading(lm_head)
-        missing = sorted(expected - set(loaded or ()))
-        if missing:
-            raise ValueError(f"{where}: {len(missing)} parameters were not in it: {missing[:5]}")
-        return {"tensors": len(state), "parameters": len(expected)}
-
-    def rollcall_watch(self, owner_pid: int, interval_s: float = 0.5) -> tuple[int, int]:
-        """Start the watchdog: once the EngineCore is no longer a child of ``owner_pid`` (the
-        process that started vLLM died), kill the EngineCore and exit. The worker is a process
-        of its own under the EngineCore (the ``mp`` executor, which ``engine_kwargs`` always
-        asks for) or, should vLLM run its ``uni`` executor, the EngineCore itself, whose
-        parent is then the owner. Returns (the EngineCore's pid, this worker's pid); both the
-        owner's when vLLM runs inside it (nothing to watch)."""
-        me, parent = os.getpid(), os.getppid()
-        if me == owner_pid:
-            return me, me
-        if parent == owner_pid:
-            core = me  # uni: this is the EngineCore
-        else:
-            up = procfs.stat(parent)
-            # mp: the parent is the EngineCore, a child of the owner unless the owner is
-            # already gone (then the parent is still vLLM's process, not whoever adopted it)
-            mp = up is not None and (up.ppid == owner_pid or up.name.startswith("VLLM"))
-            core = parent if mp else me
-
-        def watch() -> None:
-            while True:
-                time.sleep(interval_s)
-                if procfs.parent_of(core) != owner_pid:
-                    if core != me:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(core, signal.SIGKILL)
-                    os._exit(1)
-
-        threading.Thread(target=watch, name="rollcall-watchdog", daemon=True).start()
-        return core, me
-
-
 class VLLMEngine:
     batches_itself = True  # vLLM's continuous batching: the node sends each request directly
 
@@ -293,6 +206,7 @@ class VLLMEngine:
         self.eos_id = int(self.tokenizer.eos_token_id)
         args = AsyncEngineArgs(**engine_kwargs(model_dir, config, seed))
         self.processes: dict[str, Any] = {}  # set once started (rollcall_watch)
+        self._idents: list[tuple[int, int]] = []  # (pid, start ticks) of those processes
         self._version = version
         self._tokens = 0
         self._requests = 0
@@ -323,6 +237,11 @@ class VLLMEngine:
                     "engine_core": core_pid,
                     "engine_workers": [int(w[1]) for w in watched],
                 }
+                # which processes these are: once one has ended, its pid may be another's
+                self._idents = [
+                    i for pid in (core_pid, *self.processes["engine_workers"])
+                    if (i := procfs.identity(pid)) is not None
+                ]  # fmt: skip
         except BaseException:
             self._stop_loop()
             kill_engine_processes()
@@ -351,10 +270,10 @@ class VLLMEngine:
 
     def receive_weights(self, offer: Any, *, who: str = "", address: str = "127.0.0.1") -> None:
         """Collective transport: vLLM's worker joins the broadcast of ``offer``
-        (``workers.collective.Offer``) and loads the version in place, under the same gate as
-        a file load. Raises ``BroadcastFailed`` when the broadcast did not complete (the
+        (``rollcall.workers.collective.Offer``) and loads the version in place, under the same gate
+        as a file load. Raises ``BroadcastFailed`` when the broadcast did not complete (the
         weights untouched: the engine serves on with its current version)."""
-        from workers import collective
+        from rollcall.workers import collective
 
         rounds = len(collective.buckets(offer.tensors, offer.bucket_bytes)) + 2
         timeout = max(self.config.load_timeout_s, offer.timeout_s * rounds)
@@ -378,9 +297,9 @@ class VLLMEngine:
         return self._dead
 
     def engine_pids(self) -> list[int]:
-        """The pids of vLLM's processes (EngineCore, its workers) that are still alive."""
-        pids = [self.processes.get("engine_core"), *self.processes.get("engine_workers", [])]
-        return [int(pid) for pid in pids if pid and procfs.alive(int(pid))]
+        """The pids of vLLM's processes (EngineCore, its workers) that are still alive: still
+        the processes started (a pid whose process ended may be another's by now)."""
+        return [pid for pid, t in self._idents if procfs.identity(pid) == (pid, t)]
 
     def close(self) -> None:
         if self._closed:
@@ -528,7 +447,7 @@ class VLLMEngine:
             self._version = version
 
     async def _receive(self, offer: Any, who: str, address: str) -> None:
-        from workers import collective
+        from rollcall.workers import collective
 
         async with self._gate.exclusive():
             try:
@@ -581,7 +500,9 @@ def engine_kwargs(model_dir: str | Path, config: VLLMEngineConfig, seed: int) ->
         "enforce_eager": config.enforce_eager or config.device == "cpu",
         "logprobs_mode": "processed_logprobs",
         "generation_config": "vllm",
-        "worker_extension_cls": f"{__name__}.{RollcallWorkerExtension.__name__}",
+        "worker_extension_cls": (
+            f"{RollcallWorkerExtension.__module__}.{RollcallWorkerExtension.__name__}"
+        ),
         "disable_log_stats": True,
         # Always the multiprocess executor: the worker (and its watchdog) is a process of its
         # own under the EngineCore, as on the CPU. On one GPU vLLM's default (``uni``) runs the
@@ -624,39 +545,6 @@ def _check_cpu_head_size(model_dir: Path) -> None:
             "model with head size 32; a tiny model built before 0.1 has 24: remove it and let "
             "the next run rebuild it), or engine kind 'hf'"
         )
-
-
-def engine_processes(root: int) -> list[tuple[int, str]]:
-    """vLLM's processes (``VLLM::EngineCore``, ``VLLM::Worker``...) descending from ``root``,
-    with their names, not counting zombies. Linux (``/proc``)."""
-    children: dict[int, list[int]] = {}
-    names: dict[int, str] = {}
-    for proc in procfs.processes():
-        if proc.zombie:
-            continue
-        names[proc.pid] = proc.name
-        children.setdefault(proc.ppid, []).append(proc.pid)
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            todo.append(child)
-            if names[child].startswith("VLLM"):
-                found.append((child, names[child]))
-    return sorted(found)
-
-
-def all_engine_processes() -> list[tuple[int, str]]:
-    """Every live (not zombie) vLLM process on this machine, with its name: orphan checks."""
-    return sorted(
-        (p.pid, p.name) for p in procfs.processes() if p.name.startswith("VLLM") and not p.zombie
-    )
-
-
-def kill_engine_processes(pids: Collection[int] = ()) -> None:
-    """SIGKILL what is left of vLLM's processes: ``pids`` and any under this one."""
-    for pid in {*pids, *(p for p, _ in engine_processes(os.getpid()))}:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 def _plain(step: Mapping[int, Any]) -> dict[int, float]:

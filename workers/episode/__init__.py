@@ -1,4 +1,7 @@
-"""Bring your own agent: the API an agent function is written against (docs/agents.md).
+"""One episode: the agent runtime with its record and replay, the plugin loop, the chat format,
+tool calls and the tool sandbox (``play.player`` picks how a sample is played). Its package
+exports the API an agent function is written against (users import it as ``rollcall``,
+docs/agents.md).
 
 An agent function is ``async def rollout(ctx: AgentContext, prompt: dict) -> Outcome``. Every
 call it makes through ``ctx`` (``chat``, ``tool``, ``step``) is recorded in the episode's
@@ -6,7 +9,7 @@ checkpoint in PostgreSQL; after a crash the function is run again from the start
 recorded results are returned in order, so generation continues at the first unrecorded call.
 """
 
-from workers.agents.api import (
+from rollcall.workers.episode.api import (
     AgentUsageError,
     ContextLimit,
     Outcome,
@@ -14,7 +17,7 @@ from workers.agents.api import (
     Reply,
     ToolCall,
 )
-from workers.agents.runtime import AgentContext
+from rollcall.workers.episode.runtime import AgentContext
 
 __all__ = [
     "AgentContext",

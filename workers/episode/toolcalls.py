@@ -2,7 +2,7 @@
 
 A format says what the system message tells the model about its tools (unless the chat
 template renders the tools itself) and reads a generated assistant message (its end-of-turn
-token removed) as a ``ToolCall``, an ``Answer`` or a ``Malformed`` turn whose reason becomes the
+token removed) as a ``ParsedCall``, an ``Answer`` or a ``Malformed`` turn whose reason becomes the
 observation. ``parse`` never raises.
 
 - ``hermes``: the Hermes / Qwen / SmolLM style. A call is
@@ -24,13 +24,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from tasks.base import Tool
+from rollcall.tasks.base import Tool
 
 MAX_ANSWER_CHARS = 500
 
 
 @dataclass(frozen=True)
-class ToolCall:
+class ParsedCall:
     name: str
     arguments: Any
 
@@ -45,7 +45,7 @@ class Malformed:
     reason: str
 
 
-Action = ToolCall | Answer | Malformed
+Action = ParsedCall | Answer | Malformed
 
 
 class ToolFormat(Protocol):
@@ -59,7 +59,7 @@ class ToolFormat(Protocol):
     def parse(self, text: str) -> Action: ...
 
 
-def _call_from_json(raw: str) -> ToolCall | Malformed:
+def _call_from_json(raw: str) -> ParsedCall | Malformed:
     try:
         call = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -72,7 +72,7 @@ def _call_from_json(raw: str) -> ToolCall | Malformed:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
             return Malformed("the tool call's arguments are a string that is not JSON")
-    return ToolCall(call["name"], arguments)
+    return ParsedCall(call["name"], arguments)
 
 
 def _answer(text: str) -> Answer | Malformed:

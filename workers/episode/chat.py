@@ -3,7 +3,7 @@
 ``Chat`` renders system, user, assistant and tool messages with the tokenizer's chat template
 (transformers' renderer, as ``apply_chat_template`` does, with the tokenizer's special tokens;
 the task's tools as JSON schemas where the template renders them) and reads generated turns
-with a named tool-call format (``workers.rollout.toolcalls``). A trajectory is built from
+with a named tool-call format (``rollcall.workers.episode.toolcalls``). A trajectory is built from
 segments, each encoded once and appended:
 
     render([system, user], generation prompt)                     (prompt, mask 0)
@@ -34,12 +34,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tasks.base import Tool
-from workers.rollout.toolcalls import (
+from rollcall.tasks.base import Tool
+from rollcall.workers.episode.toolcalls import (
     Action,
     Answer,
     Malformed,
-    ToolCall,
+    ParsedCall,
     ToolFormat,
     default_format,
     get_format,
@@ -51,7 +51,7 @@ __all__ = [
     "Chat",
     "ChatTemplateError",
     "Malformed",
-    "ToolCall",
+    "ParsedCall",
     "observation_text",
     "parse_turn",
     "prompt_text",

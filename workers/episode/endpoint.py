@@ -23,13 +23,15 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from workers.agents.api import AgentUsageError, ContextLimit, ReplayDivergence
+from rollcall.orchestrator.inputs import too_big
+from rollcall.workers.episode.api import AgentUsageError, ContextLimit, ReplayDivergence
 
 if TYPE_CHECKING:
-    from workers.agents.runtime import AgentContext
+    from rollcall.workers.episode.runtime import AgentContext
 
 _contexts: dict[str, AgentContext] = {}
 _lock = threading.Lock()
@@ -93,6 +95,35 @@ def complete(ctx: AgentContext, body: dict[str, Any]) -> tuple[int, dict[str, An
     }
 
 
+# A refused request's body is read and thrown away (never kept) up to this many bytes within
+# this many seconds, so that its client reads the answer instead of a reset connection.
+DRAIN_BYTES = 256 * 1024 * 1024
+DRAIN_S = 10.0
+
+
+def _drain(connection: Any, rfile: Any, declared: int) -> None:
+    import socket
+
+    left = min(declared, DRAIN_BYTES)
+    deadline = time.monotonic() + DRAIN_S
+    try:
+        connection.settimeout(1.0)
+        while left > 0 and time.monotonic() < deadline:
+            chunk = rfile.read1(min(left, 1 << 16))
+            if not chunk:
+                break
+            left -= len(chunk)
+        connection.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass  # the client went away: nothing to tell it
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    status: int
+    body: dict[str, Any]
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
@@ -107,6 +138,62 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _refuse(self, status: int, body: dict[str, Any], *, sent: bool = True) -> None:
+        """Answer without keeping the request's body, and close the connection. A body the
+        client is sending (``sent``) is read and thrown away first, up to ``DRAIN_BYTES``
+        within ``DRAIN_S``: closing a socket with unread data resets it, and a client still
+        sending would see a broken pipe instead of the answer."""
+        self.close_connection = True
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+        if sent:
+            _drain(self.connection, self.rfile, self._declared())
+
+    def _declared(self) -> int:
+        try:
+            return max(0, int(self.headers.get("Content-Length") or 0))
+        except ValueError:
+            return DRAIN_BYTES
+
+    def _admission(self) -> tuple[AgentContext, int] | _Refusal:
+        """The episode and the body's length, or why the request is refused (the status and
+        the error body): the path, the key and the body's declared size, checked before any of
+        the body is read (before ``100 Continue`` when the client asks for it)."""
+        if self.path.rstrip("/") != "/v1/chat/completions":
+            return _Refusal(*_error(404, f"no such path {self.path}", "not_found"))
+        auth = self.headers.get("Authorization", "")
+        key = auth.removeprefix("Bearer ").strip()
+        with _lock:
+            ctx = _contexts.get(key)
+        if ctx is None:
+            return _Refusal(*_error(401, "unknown or expired episode key", "invalid_api_key"))
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if length < 0 or "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            return _Refusal(*_error(411, "the request needs a Content-Length", "invalid_request"))
+        limit = ctx.limits.request_body_bytes
+        if length > limit:
+            why = too_big("the request body", length, "request_body_bytes", limit)
+            return _Refusal(*_error(413, why, "request_too_large"))
+        return ctx, length
+
+    def handle_expect_100(self) -> bool:
+        """``Expect: 100-continue``: the client waits for a go before it sends the body, so a
+        refused request is answered without the body ever being sent."""
+        admitted = self._admission()
+        if isinstance(admitted, _Refusal):
+            self._refuse(admitted.status, admitted.body, sent=False)
+            return False
+        return super().handle_expect_100()
+
     def do_GET(self) -> None:
         if self.path.rstrip("/") == "/v1/models":
             self._send(200, {"object": "list", "data": [{"id": "rollcall", "object": "model"}]})
@@ -114,18 +201,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(*_error(404, f"no such path {self.path}", "not_found"))
 
     def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
+        admitted = self._admission()
+        if isinstance(admitted, _Refusal):
+            self._refuse(admitted.status, admitted.body)
+            return
+        ctx, length = admitted
         raw = self.rfile.read(length) if length else b""
-        if self.path.rstrip("/") != "/v1/chat/completions":
-            self._send(*_error(404, f"no such path {self.path}", "not_found"))
-            return
-        auth = self.headers.get("Authorization", "")
-        key = auth.removeprefix("Bearer ").strip()
-        with _lock:
-            ctx = _contexts.get(key)
-        if ctx is None:
-            self._send(*_error(401, "unknown or expired episode key", "invalid_api_key"))
-            return
         try:
             body = json.loads(raw or b"{}")
         except json.JSONDecodeError as e:

@@ -5,7 +5,7 @@ Guarantees:
 - The trajectory's tokens are exactly what the engine consumed and produced: every segment is
   encoded once and appended; earlier turns are never re-encoded from text. Each generation
   request's context is the trajectory so far. The conversation is in the model's own chat
-  template and tool-call format (``workers.rollout.chat.Chat``): the prompt and each
+  template and tool-call format (``rollcall.workers.episode.chat.Chat``): the prompt and each
   observation segment are rendered by the template; generated turns are kept as generated.
 - A final answer is read by the task (``read_answer``) before the reward sees it.
 - Generated tokens carry loss mask 1 and their behaviour log-probs; prompt and tool-observation
@@ -24,13 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.domain import TrajectoryPayload
-from tasks.base import TaskPlugin, TaskSpec
-from workers.rollout.chat import Chat, chat_for
-from workers.rollout.engines.base import Engine, GenerationRequest
-from workers.rollout.toolcalls import Answer, Malformed, ToolCall
-from workers.rollout.tools import ToolRunner
-from workers.rollout.usercode import check_json, check_reward, user_call
+from rollcall.orchestrator.domain import TrajectoryPayload
+from rollcall.orchestrator.inputs import json_bytes, too_big
+from rollcall.tasks.base import TaskPlugin, TaskSpec
+from rollcall.workers.episode.chat import Chat, chat_for
+from rollcall.workers.episode.engine import Engine, GenerationRequest
+from rollcall.workers.episode.toolcalls import Answer, Malformed, ParsedCall
+from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.episode.usercode import check_json, check_reward, user_call
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,13 @@ class Limits:
     max_tokens: int = 2048
     temperature: float = 1.0
     seed: int | None = None  # seeded sampling (``GenerationRequest.seed``): evaluation only
+    # the most bytes of each untrusted input an episode meets (rollout.input_limits)
+    tool_arguments_bytes: int = 64 * 1024
+    observation_bytes: int = 64 * 1024
+    step_result_bytes: int = 1024 * 1024
+    request_body_bytes: int = 8 * 1024 * 1024
+    # the task's tools may use the network (rollout.tool_sandbox.network_tasks)
+    network: bool = False
 
 
 @dataclass
@@ -97,7 +105,7 @@ class Trajectory:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class Played:
     trajectory: Trajectory
     reward: float
     turns: int
@@ -142,7 +150,7 @@ class AgentLoop:
         self,
         resume: TrajectoryPayload | None = None,
         on_turn: Callable[[Trajectory], None] | None = None,
-    ) -> Outcome:
+    ) -> Played:
         t = Trajectory.from_payload(resume) if resume is not None else self.start()
         while not t.finished:
             self.step(t)
@@ -154,7 +162,7 @@ class AgentLoop:
             self.spec, self.prompt, t.answer, t.state, len(t.turn_offsets),
         )  # fmt: skip
         reward = check_reward(reward, "the task's reward", self.plugin.reward)
-        return Outcome(t, reward, len(t.turn_offsets))
+        return Played(t, reward, len(t.turn_offsets))
 
     def step(self, t: Trajectory) -> None:
         """One turn: generate, then apply the tool call or take the answer."""
@@ -184,12 +192,17 @@ class AgentLoop:
             if isinstance(action, Malformed):
                 observation = f"error: {action.reason}"
             else:
-                assert isinstance(action, ToolCall)
-                result = self.tools.call(
-                    self.plugin, self.spec, self.prompt, t.state, action.name, action.arguments
-                )
-                observation, t.state, done = result.observation, result.state, result.done
-                check_json(t.state, "the task's state after a tool call", self.plugin.call_tool)
+                assert isinstance(action, ParsedCall)
+                refused = _arguments_problem(action, self.limits.tool_arguments_bytes)
+                if refused is not None:
+                    observation = refused
+                else:
+                    result = self.tools.call(
+                        self.plugin, self.spec, self.prompt, t.state, action.name,
+                        action.arguments, network=self.limits.network,
+                    )  # fmt: skip
+                    observation, t.state, done = result.observation, result.state, result.done
+                    check_json(t.state, "the task's state after a tool call", self.plugin.call_tool)
         if done:  # the environment ended the episode (e.g. the game was won)
             t.finished, t.stop_reason = True, "environment"
             return
@@ -202,3 +215,14 @@ class AgentLoop:
         the text as written)."""
         read = getattr(self.plugin, "read_answer", None)
         return text if read is None else user_call("the task's read_answer", read, self.spec, text)
+
+
+def _arguments_problem(call: ParsedCall, limit: int) -> str | None:
+    """The error observation for tool-call arguments over ``limit`` bytes (the tool is not
+    called), or None."""
+    size = json_bytes(call.arguments)
+    if size <= limit:
+        return None
+    return "error: " + too_big(
+        f"the arguments of the call to {call.name[:64]!r}", size, "tool_arguments_bytes", limit
+    )

@@ -14,14 +14,15 @@ for is the one recorded and that the tokens rebuilt equal the tokens checkpointe
 call past the record is served live. A call that differs from the record (the function is not
 deterministic given the recorded results) is a divergence: reported, counted, and the sample is
 restarted from scratch with an empty record, never trained on as it was.
+
+The record and replay machinery is ``journal.py`` (checkpointed append-only), the threads
+calls run on ``threads.py``, the normalising of messages and tools ``messages.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
-import inspect
 import json
 import logging
 import numbers
@@ -29,20 +30,14 @@ import secrets
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-from tasks.agent import (
-    AGENT_FILE_MODULE,
-    DEFAULT_EPISODE_TIMEOUT_S,
-    AgentSpec,
-    AgentSpecError,
-    load_agent,
-)
-from tasks.base import Tool
-from workers.agents.api import (
+from rollcall.orchestrator.domain import JOURNAL
+from rollcall.orchestrator.inputs import json_bytes, text_bytes, too_big
+from rollcall.tasks.agent import DEFAULT_EPISODE_TIMEOUT_S, AgentSpec, AgentSpecError, load_agent
+from rollcall.tasks.base import Tool
+from rollcall.workers.episode.api import (
     AgentUsageError,
     ContextLimit,
     Outcome,
@@ -50,14 +45,20 @@ from workers.agents.api import (
     Reply,
     ToolCall,
 )
-from workers.rollout.agent import Limits, Trajectory
-from workers.rollout.agent import Outcome as LoopOutcome
-from workers.rollout.chat import Chat
-from workers.rollout.engines.base import Engine, GenerationRequest
-from workers.rollout.toolcalls import Answer, Malformed
-from workers.rollout.toolcalls import ToolCall as ParsedCall
-from workers.rollout.tools import ToolRunner
-from workers.rollout.usercode import (
+from rollcall.workers.episode.chat import Chat
+from rollcall.workers.episode.engine import Engine, GenerationRequest
+from rollcall.workers.episode.journal import CallStats, Recorder, fingerprint
+from rollcall.workers.episode.loop import Limits, Played, Trajectory
+from rollcall.workers.episode.messages import (
+    as_message,
+    as_text,
+    reply_of,
+    tools_of,
+    with_tool_text,
+)
+from rollcall.workers.episode.threads import bounded, in_thread, run_tool
+from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.episode.usercode import (
     UserCodeError,
     check_json,
     check_reward,
@@ -67,73 +68,12 @@ from workers.rollout.usercode import (
 
 log = logging.getLogger(__name__)
 
-JOURNAL = "journal"
 # After its episode timeout an agent is cancelled; one whose thread is blocked (synchronous
 # work that never awaits) cannot be, and is abandoned this many seconds later.
 CANCEL_GRACE_S = 5.0
 
 
-def _stable(value: Any) -> Any:
-    """What a fingerprint sees of a value JSON cannot hold: its type, never its address."""
-    name = getattr(value, "__qualname__", None) or type(value).__qualname__
-    return f"<{name}>"
-
-
-def fingerprint(*parts: Any) -> str:
-    text = json.dumps(parts, sort_keys=True, default=_stable)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _content(value: Any) -> str:
-    """A message's content as text (OpenAI content parts joined)."""
-    if value is None:
-        return ""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        return "".join(str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in value)
-    return str(value)
-
-
-def _message(m: Any, where: str) -> dict[str, Any]:
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise AgentUsageError(f"{where}: every message must be a dict with a 'role'")
-    return {"role": m["role"], "content": _content(m.get("content"))}
-
-
-def _tools(tools: Any) -> list[Tool]:
-    """OpenAI-style tool dicts (``{"type": "function", "function": {...}}`` or the function
-    dict itself) or ``tasks.base.Tool`` values."""
-    out = []
-    for t in tools or []:
-        if isinstance(t, Tool):
-            out.append(t)
-            continue
-        f = t.get("function", t) if isinstance(t, dict) else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise AgentUsageError("tools must be OpenAI tool dicts with a function name")
-        out.append(
-            Tool(
-                f["name"],
-                str(f.get("description", "")),
-                dict(f.get("parameters") or {"type": "object", "properties": {}}),
-            )
-        )
-    return out
-
-
-def _describe(kind: str, detail: str) -> str:
-    return f"{kind} {detail}" if detail else kind
-
-
-@dataclass
-class CallStats:
-    replayed: int = 0  # calls answered from the record
-    live: int = 0  # calls served now (generated, run)
-    generated: int = 0  # of them, chat calls that ran the engine
-
-
-class AgentContext:
+class AgentContext(Recorder):
     """What an agent function calls: ``chat`` (the policy, through the rollout engine),
     ``tool`` (a tool with a timeout, optionally in its own process), ``step`` (any other
     function whose result must be the same on replay, e.g. a reward). Every call is recorded
@@ -151,26 +91,16 @@ class AgentContext:
         saved: Trajectory | None,
         on_call: Callable[[Trajectory], None] | None,
     ) -> None:
+        super().__init__(record, on_call)
         self.prompt = run.prompt
         self.episode_id = run.episode_id  # the episode (None outside a rollout node)
         self.sample_index = run.sample_index  # which sample of the episode's group this is
         self._run = run
-        self._record = record
         self._saved = saved
-        self._pos = 0
-        self._journal: list[dict[str, Any]] = []
-        self.trajectory = Trajectory(state={JOURNAL: self._journal})
-        self._on_call = on_call
-        self._lock = threading.Lock()
-        self._busy = False
         self._conv: list[dict[str, Any]] | None = None  # the trained conversation, as given
         self._render: list[dict[str, Any]] = []  # ... as rendered (with the tools' system text)
         self._conv_tools: list[Tool] = []
         self._ended = True
-        self.stats = CallStats()
-        self.diverged: str | None = None
-        self.failure: BaseException | None = None  # what failed a call served on a thread
-        self.closed: str | None = None  # the episode ended (timed out): calls are refused
         self.api_key = f"rc-{secrets.token_urlsafe(18)}"
 
     # -- public API ---------------------------------------------------------------------
@@ -179,6 +109,12 @@ class AgentContext:
     def replaying(self) -> bool:
         """Whether the next call will be answered from the record."""
         return self._pos < len(self._record)
+
+    @property
+    def limits(self) -> Limits:
+        """The episode's limits: turns and tokens, and the most bytes of each untrusted input
+        (``rollout.input_limits``)."""
+        return self._run.limits
 
     @property
     def base_url(self) -> str:
@@ -200,7 +136,7 @@ class AgentContext:
         replies as they were, then one or more new user or tool messages). The tools are those
         of the first call. ``train=False``: a separate conversation (e.g. a judge), generated by
         the same engine and recorded, but not trained on."""
-        return await _in_thread(self.chat_sync, messages, tools, train, max_tokens)
+        return await in_thread(self.chat_sync, messages, tools, train, max_tokens)
 
     async def tool(
         self,
@@ -227,10 +163,29 @@ class AgentContext:
             if slot.entry is not None:
                 content = str(slot.entry["r"]["c"])
             else:
-                ok, value = await self._execute(target, call, fn, timeout_s, isolate=isolate)
+                limits = self._run.limits
+                size = json_bytes(call.arguments)
+                if size > limits.tool_arguments_bytes:
+                    ok, value = False, too_big(
+                        f"the arguments of the call to {call.name[:64]!r}", size,
+                        "tool_arguments_bytes", limits.tool_arguments_bytes,
+                    )  # fmt: skip
+                else:
+                    timeout = self._run.spec.tool_timeout_s if timeout_s is None else timeout_s
+                    ok, value = await run_tool(
+                        target, call, fn, timeout, runner=self._run.tools if isolate else None,
+                        network=limits.network,
+                    )  # fmt: skip
+                if ok:
+                    value = as_text(value)
+                    if (size := text_bytes(value)) > limits.observation_bytes:
+                        ok, value = False, too_big(
+                            "the tool's observation", size, "observation_bytes",
+                            limits.observation_bytes,
+                        )  # fmt: skip
                 if not ok and on_error == "raise":
                     raise AgentUsageError(f"the tool {call.name!r} failed: {value}")
-                content = _text(value) if ok else f"error: {value}"
+                content = value if ok else f"error: {value}"
                 slot.result = {"c": content}
         return {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
 
@@ -245,9 +200,16 @@ class AgentContext:
         async with self._call("step", key, name) as slot:
             if slot.entry is not None:
                 return slot.entry["r"]["v"]
-            value = await _bounded(fn, args, kwargs, timeout)
+            value = await bounded(fn, args, kwargs, timeout)
             try:  # what replay returns is the value read back from JSON: so is the live one
-                value = json.loads(json.dumps(value, allow_nan=False))
+                text = json.dumps(value, allow_nan=False)
+                limit = self._run.limits.step_result_bytes
+                if (size := text_bytes(text)) > limit:
+                    raise AgentUsageError(
+                        f"ctx.step({name}): "
+                        + too_big("its result", size, "step_result_bytes", limit)
+                    )
+                value = json.loads(text)
             except (TypeError, ValueError) as e:
                 what = (
                     "a number that is not finite (NaN or infinity)"
@@ -273,8 +235,8 @@ class AgentContext:
         """``chat`` for callers on threads (the OpenAI endpoint)."""
         if not isinstance(messages, list) or not messages:
             raise AgentUsageError("ctx.chat needs a non-empty list of messages")
-        msgs = [_message(m, "ctx.chat") for m in messages]
-        tool_list = _tools(tools)
+        msgs = [as_message(m, "ctx.chat") for m in messages]
+        tool_list = tools_of(tools)
         key = fingerprint("chat", train, msgs, [t.to_json() for t in tool_list], max_tokens)
         with self._sync_call("chat", key, f"({len(msgs)} messages)") as slot:
             if train:
@@ -284,18 +246,6 @@ class AgentContext:
             if slot.entry is None:
                 slot.result = result
             return reply
-
-    def _system(self, msgs: list[dict[str, Any]], tools: list[Tool]) -> list[dict[str, Any]]:
-        """The messages as rendered: how to call the tools (the tool-call format's system text,
-        the same the built-in tasks use) in the system message, added when there are tools."""
-        chat = self._run.chat
-        if not tools:
-            return list(msgs)
-        text = chat.format.system_text(tools, chat.renders_tools)
-        if msgs and msgs[0]["role"] == "system":
-            first = {"role": "system", "content": f"{msgs[0]['content']}\n\n{text}"}
-            return [first, *msgs[1:]]
-        return [{"role": "system", "content": text}, *msgs]
 
     def _budget(self, extra: int, max_tokens: int | None, trained: bool) -> int:
         limits = self._run.limits
@@ -329,7 +279,7 @@ class AgentContext:
     ) -> tuple[Reply, dict[str, Any]]:
         chat, t = self._run.chat, self.trajectory
         if self._conv is None:
-            render = self._system(msgs, tools)
+            render = with_tool_text(self._run.chat, msgs, tools)
             segment = chat.messages_ids(render, tools)
             self._conv_tools = tools
         else:
@@ -385,7 +335,7 @@ class AgentContext:
         t.turn_offsets.append(len(t.token_ids))
         t.turn_versions.append(version)
         t.append(list(ids), generated=True, logprobs=list(logprobs))
-        reply = self._reply(ids, finish, version)
+        reply = reply_of(self._run.chat, len(self._journal), ids, finish, version)
         self._conv = [*msgs, {"role": "assistant", "content": reply.message.get("content") or ""}]
         self._render = [*render, {"role": "assistant", "content": ""}]
         self._ended = finish == "stop"
@@ -401,12 +351,16 @@ class AgentContext:
     ) -> tuple[Reply, dict[str, Any]]:
         if entry is not None:
             r = entry["r"]
-            return self._reply(list(r["t"]), str(r["f"]), int(r["v"])), r
-        ids = self._run.chat.messages_ids(self._system(msgs, tools), tools)
+            return reply_of(
+                self._run.chat, len(self._journal), list(r["t"]), str(r["f"]), int(r["v"])
+            ), r
+        ids = self._run.chat.messages_ids(with_tool_text(self._run.chat, msgs, tools), tools)
         gen = self._generate(ids, self._budget(0, max_tokens, trained=False))
         self.stats.generated += 1
         result = {"t": gen.token_ids, "f": gen.finish_reason, "v": gen.version}
-        return self._reply(gen.token_ids, gen.finish_reason, gen.version), result
+        return reply_of(
+            self._run.chat, len(self._journal), gen.token_ids, gen.finish_reason, gen.version
+        ), result
 
     def _generate(self, context: list[int], budget: int) -> Any:
         """The engine's generation; its failure is the node's, whatever the agent does with it
@@ -416,189 +370,6 @@ class AgentContext:
         except BaseException as e:
             self.failure = e
             raise
-
-    def _reply(self, ids: list[int], finish: str, version: int) -> Reply:
-        chat = self._run.chat
-        body = list(ids)
-        if body and body[-1] == chat.eos_id:
-            body = body[:-1]
-        text = str(chat.tokenizer.decode(body, skip_special_tokens=False))
-        action = chat.parse(list(ids)) if finish == "stop" else Malformed("the turn was cut off")
-        calls: list[ToolCall] = []
-        answer = error = None
-        if isinstance(action, ParsedCall):
-            calls = [ToolCall(f"call_{len(self._journal)}", action.name, action.arguments)]
-        elif isinstance(action, Answer):
-            answer = action.text
-        else:
-            error = action.reason
-        message: dict[str, Any] = {"role": "assistant", "content": answer if answer else text}
-        if calls:
-            message["content"] = None
-            message["tool_calls"] = [c.to_openai() for c in calls]
-        return Reply(message, text, calls, answer, error, finish, version, len(ids))
-
-    # -- the record ---------------------------------------------------------------------
-
-    def _diverge(self, why: str) -> None:
-        self.diverged = why
-        raise ReplayDivergence(why)
-
-    def _next(self, kind: str, key: str, detail: str) -> dict[str, Any] | None:
-        if self.diverged is not None:
-            raise ReplayDivergence(self.diverged)
-        if self._pos >= len(self._record):
-            return None
-        entry = self._record[self._pos]
-        if entry.get("k") != kind or entry.get("h") != key:
-            self._diverge(
-                f"call {self._pos + 1} on replay is {_describe(kind, detail)} but the record "
-                f"holds a different {entry.get('k')} call there (the agent is not deterministic "
-                "given its recorded results)"
-            )
-        self._pos += 1
-        return entry
-
-    def _finish_call(self, kind: str, key: str, entry: Any, result: Any) -> None:
-        if entry is None and result is None:  # the live call raised: nothing to record
-            return
-        # a new list and state each time: a checkpoint handed out earlier keeps its own
-        self._journal = [*self._journal, entry or {"k": kind, "h": key, "r": result}]
-        self.trajectory.state = {**self.trajectory.state, JOURNAL: self._journal}
-        if entry is not None:
-            self.stats.replayed += 1
-            return
-        self.stats.live += 1
-        if self._on_call is not None:
-            try:
-                self._on_call(self.trajectory)
-            except BaseException as e:  # the checkpoint failed or the lease moved on
-                self.failure = e
-                raise
-
-    def _enter(self) -> None:
-        with self._lock:
-            if self.closed is not None:
-                raise AgentUsageError(f"this episode is over ({self.closed}): no further calls")
-            if self._busy:
-                raise AgentUsageError(
-                    "ctx calls of one episode must not overlap: await each before the next"
-                )
-            self._busy = True
-
-    @contextmanager
-    def _sync_call(self, kind: str, key: str, detail: str) -> Iterator[_Slot]:
-        self._enter()
-        try:
-            slot = _Slot(self._next(kind, key, detail))
-            yield slot
-            self._finish_call(kind, key, slot.entry, slot.result)
-        finally:
-            self._busy = False
-
-    def _call(self, kind: str, key: str, detail: str) -> _AsyncSlot:
-        return _AsyncSlot(self, kind, key, detail)
-
-    async def _execute(
-        self, target: Any, call: ToolCall, fn: Any, timeout_s: float | None, *, isolate: bool
-    ) -> tuple[bool, Any]:
-        if target is None:
-            known = ", ".join(sorted(fn)) if isinstance(fn, dict) else "none"
-            return False, f"unknown tool {call.name!r}; available tools: {known}"
-        if not isinstance(call.arguments, dict):
-            return False, "tool arguments must be a JSON object"
-        timeout = float(timeout_s if timeout_s is not None else self._run.spec.tool_timeout_s)
-        if isolate:
-            runner = self._run.tools
-            _by_value(target)
-            result: tuple[bool, Any] = await _in_thread(
-                runner.call_function, target, (), dict(call.arguments), timeout, call.name
-            )
-            return result
-        try:
-            return True, await _bounded(target, (), dict(call.arguments), timeout)
-        except TimeoutError:
-            return False, f"the tool {call.name!r} did not answer within {timeout:g} s"
-        except Exception as e:
-            return False, f"{type(e).__name__}: {e}"
-
-
-@dataclass
-class _Slot:
-    entry: dict[str, Any] | None
-    result: Any = None
-
-
-class _AsyncSlot:
-    def __init__(self, ctx: AgentContext, kind: str, key: str, detail: str) -> None:
-        self.ctx, self.kind, self.key, self.detail = ctx, kind, key, detail
-
-    async def __aenter__(self) -> _Slot:
-        self.ctx._enter()
-        try:
-            self.slot = _Slot(self.ctx._next(self.kind, self.key, self.detail))
-        except BaseException:
-            self.ctx._busy = False
-            raise
-        return self.slot
-
-    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        try:
-            if exc_type is None:
-                await _in_thread(
-                    self.ctx._finish_call, self.kind, self.key, self.slot.entry, self.slot.result
-                )
-        finally:
-            self.ctx._busy = False
-
-
-def _by_value(fn: Any) -> None:
-    """A function from an agent file (``tasks.agent`` imports it under a name no other process
-    knows) is sent to the tool process by value, not by a reference it could not import."""
-    module = sys.modules.get(getattr(fn, "__module__", "") or "")
-    if module is not None and module.__name__.startswith(AGENT_FILE_MODULE):
-        from ray import cloudpickle
-
-        cloudpickle.register_pickle_by_value(module)
-
-
-def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> asyncio.Future[Any]:
-    """``fn`` on a daemon thread of its own, awaitable. Not the loop's default executor: a call
-    that never returns (a hung tool) must not keep ``asyncio.run`` from ending."""
-    done: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def target() -> None:
-        if not done.set_running_or_notify_cancel():
-            return
-        try:
-            done.set_result(fn(*args, **kwargs))
-        except BaseException as e:
-            done.set_exception(e)
-
-    threading.Thread(target=target, daemon=True, name="agent-call").start()
-    return asyncio.wrap_future(done)
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return str(value)
-
-
-async def _bounded(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float) -> Any:
-    """``fn(*args, **kwargs)`` within ``timeout`` seconds: awaited if async, else on a thread
-    (a sync function that never returns leaves its thread behind: ``isolate=True`` kills it)."""
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004 - an async callable object
-    ):
-        return await asyncio.wait_for(fn(*args, **kwargs), timeout)
-    value = await asyncio.wait_for(_in_thread(fn, *args, **kwargs), timeout)
-    if inspect.isawaitable(value):
-        value = await asyncio.wait_for(value, timeout)
-    return value
 
 
 class _CallFailed(Exception):
@@ -638,7 +409,7 @@ class AgentRun:
         self.abandoned = False  # a run of the function could not be cancelled: left behind
 
     def endpoint_url(self) -> str:
-        from workers.agents.endpoint import shared_endpoint
+        from rollcall.workers.episode.endpoint import shared_endpoint
 
         return shared_endpoint(self.endpoint_host).url
 
@@ -652,7 +423,7 @@ class AgentRun:
         self,
         resume: Any = None,
         on_turn: Callable[[Trajectory], None] | None = None,
-    ) -> LoopOutcome:
+    ) -> Played:
         try:
             fn = load_agent(self.spec.agent)
         except AgentSpecError as e:  # it does not import here (its file or a module it needs)
@@ -682,7 +453,7 @@ class AgentRun:
         t.finished, t.stop_reason = True, stop
         calls = {"replayed": ctx.stats.replayed, "live": ctx.stats.live}
         t.state = {**t.state, "calls": calls, **({"info": info} if info else {})}
-        return LoopOutcome(t, reward, len(t.turn_offsets))
+        return Played(t, reward, len(t.turn_offsets))
 
     def _play(self, fn: Callable[..., Any], ctx: AgentContext) -> tuple[float, str, dict[str, Any]]:
         """Run the function once: (reward, stop reason, info). What fails in the user's code
@@ -745,7 +516,7 @@ class AgentRun:
         ``episode_timeout_s``: past it the function is cancelled (``UserCodeError``, where it
         was waiting); a function that cannot be cancelled (its thread blocked in synchronous
         code) is abandoned ``CANCEL_GRACE_S`` later, its calls through ``ctx`` refused."""
-        from workers.agents.endpoint import registered
+        from rollcall.workers.episode.endpoint import registered
 
         timeout = float(getattr(self.spec, "episode_timeout_s", DEFAULT_EPISODE_TIMEOUT_S))
         expired: list[BaseException] = []

@@ -1,0 +1,98 @@
+"""The job driver's held-out evaluation: the evaluator actor, the evaluations asked of it and
+their results, recorded in the run directory as they come (the learning curve)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.runner.progress import Snapshot
+from rollcall.orchestrator.runner.rundir import RunDir
+
+
+class Evaluations:
+    def __init__(
+        self,
+        cfg: RollcallConfig,
+        run_dir: RunDir,
+        *,
+        model_dir: Path,
+        chat_template: Any,
+        console: Console,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.model_dir = model_dir
+        self.chat_template = chat_template
+        self.console = console
+        self.evaluator: Any = None
+        self.pending: list[tuple[int, Any]] = []  # (step, the evaluation's result ref)
+
+    def start(self) -> None:
+        """The evaluator asks Ray for no resources (``num_cpus=0``), so it takes no reserved
+        slot and always has somewhere to go."""
+        from rollcall.workers.evaluation import evaluator_actor
+
+        if self.cfg.run.eval.episodes == 0:  # no evaluation (e.g. a benchmark's timing model)
+            return
+        r = self.cfg.rollout
+        self.evaluator = evaluator_actor().remote(
+            str(self.model_dir),
+            max_tokens_per_turn=r.max_tokens_per_turn,
+            max_tokens=r.max_tokens,
+            temperature=self.cfg.run.eval.temperature,
+            seed=self.cfg.run.seed + 7,
+            tool_format=self.cfg.model.tool_format,
+            chat_template=self.chat_template,
+            tool_sandbox=r.tool_sandbox,
+            input_limits=r.input_limits,
+        )
+
+    def evaluate(self, step: int, location: str | None) -> None:
+        from rollcall.workers.evaluation import EvalTask
+
+        if self.evaluator is None:
+            return
+        tasks = [EvalTask(t.name, t.plugin, t.spec) for t in self.cfg.tasks]
+        ref = self.evaluator.evaluate.remote(tasks, self.cfg.run.eval.episodes, step, location)
+        self.pending.append((step, ref))
+
+    def collect(self, snap: Snapshot, *, block: bool) -> None:
+        import ray
+
+        keep = []
+        for step, ref in self.pending:
+            ready, _ = ray.wait([ref], timeout=None if block else 0)
+            if not ready:
+                keep.append((step, ref))
+                continue
+            try:
+                reward = ray.get(ref)
+            except ray.exceptions.RayError as e:
+                # evaluation is not the job: a lost evaluator (its machine died) is replaced,
+                # and this point of the learning curve is missing
+                self.console.print(
+                    f"evaluation at step {step} failed ({type(e).__name__}); "
+                    "restarting the evaluator",
+                    markup=False,
+                )
+                with contextlib.suppress(Exception):
+                    ray.kill(self.evaluator)
+                self.start()
+                continue
+            # the mean per task, and each held-out episode's reward (for intervals and gains)
+            means = {task: sum(rs) / len(rs) for task, rs in reward.items() if rs}
+            self.run_dir.append({"kind": "eval", "step": step, "reward": means, "rewards": reward})
+            snap.heldout = means
+        self.pending = keep
+
+    def close(self) -> None:
+        import ray
+
+        if self.evaluator is not None:
+            ray.kill(self.evaluator)
+            self.evaluator = None

@@ -1,0 +1,381 @@
+"""A call (``Sandbox.run``): the keeper that sets it up, the tool process that runs it, and the
+server's side that waits for its answer. Standard library only."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import resource
+import select
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .linux import (
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    PR_SET_DUMPABLE,
+    PR_SET_NO_NEW_PRIVS,
+    PR_SET_PDEATHSIG,
+    _drop_bounding_set,
+    _drop_capabilities,
+    _killpg,
+    _mount,
+    _oserror,
+    _prctl,
+    _processes_of,
+    _signame,
+    _write_all,
+)
+from .namespaces import TOOL_UID_BASE, _enter
+from .paths import Layout, Limits
+from .protections import Protections
+from .server import WORKDIR_PREFIX, _forward_output, _remove
+
+START_TIMEOUT_S = 45.0  # the keeper must have set the call up by then (below the node's)
+KILL_WAIT_S = 5.0  # after a kill, how long the keeper's report is awaited
+
+
+_EXIT_FAILED = 70  # the tool process's own code failed outside the tool (a bug of ours)
+
+
+# -- a call ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """How a call ended: ``answer`` (what the tool process sent), or ``failure`` (``timeout``,
+    ``cpu``, ``file``, ``crashed``, ``setup``) and ``detail``."""
+
+    answer: bytes | None = None
+    failure: str | None = None
+    detail: str = ""
+    cpu_s: float = 0.0
+
+
+class Sandbox:
+    """Runs calls as the module docstring says; used by the tool server, a single-threaded
+    process (it forks)."""
+
+    def __init__(
+        self, limits: Limits, plan: Protections, lay: Layout, answer_bytes: int = 16 << 20
+    ) -> None:
+        self.limits = limits
+        self.plan = plan
+        self.layout = lay
+        self.answer_bytes = answer_bytes  # a longer answer frame: the call crashed
+
+    def run(
+        self,
+        work: Callable[[], bytes],
+        *,
+        network: bool,
+        timeout_s: float,
+        started: Callable[[], None],
+    ) -> CallResult:
+        """``work()`` in a fresh tool process; its bytes, or why there are none. ``started``
+        is called once the call is set up (or failed to be): ``timeout_s`` counts from there."""
+        workdir = ""
+        output: Any = None
+        ans_r = ans_w = ctl_r = ctl_w = keeper = -1
+        try:
+            server = os.getpid()
+            prefix = f"{WORKDIR_PREFIX}{server}-"
+            workdir = tempfile.mkdtemp(prefix=prefix, dir=self.layout.workdirs)
+            output = tempfile.TemporaryFile(dir=self.layout.workdirs)  # noqa: SIM115 - closed below
+            ans_r, ans_w = os.pipe()
+            ctl_r, ctl_w = os.pipe()
+            keeper = os.fork()
+            if keeper == 0:  # pragma: no cover - the keeper never returns
+                os.close(ans_r)
+                os.close(ctl_r)
+                self._keeper(work, network, workdir, output.fileno(), ans_w, ctl_w, server)
+            os.close(ans_w)
+            os.close(ctl_w)
+            ans_w = ctl_w = -1
+            return self._watch(keeper, ans_r, ctl_r, timeout_s, started)
+        except OSError as e:  # no process or file for the call (EAGAIN, ENOSPC): its failure
+            if keeper <= 0:
+                started()
+                return CallResult(failure="setup", detail=_oserror(e))
+            raise
+        finally:
+            for fd in (ans_r, ans_w, ctl_r, ctl_w):
+                if fd >= 0:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            if keeper > 0:
+                _killpg(keeper)  # what stayed in the call's group (before the reap: see _watch)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(keeper, signal.SIGKILL)  # (a keeper stuck before its setsid)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(keeper, 0)
+            if output is not None:
+                _forward_output(output)
+            if workdir:
+                _remove(workdir)
+
+    # -- the keeper (a child) and the tool process (its child) --------------------------------
+
+    def _keeper(
+        self,
+        work: Callable[[], bytes],
+        network: bool,
+        workdir: str,
+        out_fd: int,
+        ans_w: int,
+        ctl_w: int,
+        server: int,
+    ) -> None:  # pragma: no cover - runs in a child
+        code = 1
+        try:
+            os.setsid()
+            _enter(
+                self.plan, self.layout, network=network, workdir=workdir,
+                size_mb=max(self.limits.file_mb, 1),
+            )  # fmt: skip
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the set-up: a uid change clears it
+            if os.getppid() != server:
+                return
+            uid = None  # the uid the tool process takes (root: one of the call's own)
+            if self.plan.drop_uid and self.plan.mode != "userns":  # (userns: the keeper took it)
+                uid = TOOL_UID_BASE + os.getpid()
+                os.chown(workdir, uid, uid)
+            nproc = self.limits.processes
+            if self.plan.processes == "approximate":
+                nproc += _processes_of(os.getuid())
+            mount_proc = self.plan.mode != "none" and self.plan.mounts and self.plan.pids
+            alive_r, alive_w = os.pipe()  # closed when the keeper dies: the tool then ends
+            tool = os.fork()
+            if tool == 0:
+                os.close(alive_w)
+                self._tool(work, uid, nproc, workdir, out_fd, ans_w, mount_proc, alive_r)
+            os.close(alive_r)
+            os.close(ans_w)
+            _write_all(ctl_w, json.dumps({"pid": tool}).encode() + b"\n")
+            _, status, usage = os.wait4(tool, 0)
+            cpu = usage.ru_utime + usage.ru_stime
+            _write_all(ctl_w, json.dumps({"status": status, "cpu": cpu}).encode() + b"\n")
+            code = 0
+        except BaseException as e:
+            why = _oserror(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+            with contextlib.suppress(OSError):
+                _write_all(ctl_w, json.dumps({"error": why}).encode() + b"\n")
+        finally:
+            os._exit(code)
+
+    def _tool(
+        self,
+        work: Callable[[], bytes],
+        uid: int | None,
+        nproc: int,
+        workdir: str,
+        out_fd: int,
+        ans_w: int,
+        mount_proc: bool,
+        alive_r: int,
+    ) -> None:  # pragma: no cover - runs in a child
+        code = _EXIT_FAILED
+        try:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if mount_proc:  # this pid namespace's processes only; else the call fails
+                _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            # out of the way first (any of them may be 0 to 4)
+            out_fd, ans_w, alive_r = (
+                fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in (out_fd, ans_w, alive_r)
+            )
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.dup2(out_fd, 1)
+            os.dup2(out_fd, 2)
+            os.dup2(ans_w, 3, inheritable=False)  # not the tool's subprocesses'
+            os.dup2(alive_r, 4, inheritable=False)
+            os.closerange(5, 1 << 20)
+            lim = self.limits
+            for which, value in (
+                (resource.RLIMIT_CORE, 0),
+                (resource.RLIMIT_CPU, lim.cpu_s),
+                (resource.RLIMIT_AS, lim.memory_mb * 1024 * 1024),
+                (resource.RLIMIT_NPROC, nproc),
+                (resource.RLIMIT_NOFILE, lim.open_files),
+                (resource.RLIMIT_FSIZE, lim.file_mb * 1024 * 1024),
+            ):
+                if value > 0 or which == resource.RLIMIT_CORE:
+                    hard = resource.getrlimit(which)[1]
+                    if hard != resource.RLIM_INFINITY:
+                        value = min(value, hard)
+                    resource.setrlimit(which, (value, value))
+            _drop_bounding_set()  # (while it may: before a uid change)
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                # a uid change makes it undumpable: its /proc/self would be root's, unreadable
+                # to it (its uid is the call's alone, so no other process may trace it)
+                _prctl(PR_SET_DUMPABLE, 1)
+                _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the uid change cleared it
+            # no capability left (in a user namespace it had them all: it could unmount what
+            # covers the node's files), none to gain (setuid files)
+            _drop_capabilities()
+            _prctl(PR_SET_NO_NEW_PRIVS, 1)
+            if select.select([4], [], [], 0)[0]:  # the keeper died before PDEATHSIG was set
+                return
+            os.close(4)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            os.chdir(workdir)
+            path = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+            lang = os.environ.get("LANG", "C.UTF-8")
+            os.environ.clear()
+            os.environ.update(PATH=path, LANG=lang, HOME=workdir, TMPDIR=workdir)
+            tempfile.tempdir = workdir
+            data = work()
+            _write_all(3, len(data).to_bytes(8, "big") + data)
+            code = 0
+        except BaseException as e:  # said in the call's output (the node's log gets it)
+            with contextlib.suppress(BaseException):
+                _write_all(2, f"rollcall: the tool process failed: {_oserror(e)}\n".encode())
+        finally:
+            os._exit(code)
+
+    # -- the server's side ---------------------------------------------------------------------
+
+    def _watch(
+        self, keeper: int, ans_r: int, ctl_r: int, timeout_s: float, started: Callable[[], None]
+    ) -> CallResult:
+        ctl = _Lines(ctl_r)
+        first = ctl.next(time.monotonic() + START_TIMEOUT_S)
+        started()
+        if first is None or "pid" not in first:
+            why = (first or {}).get("error", "the call's keeper died while setting it up")
+            return CallResult(failure="setup", detail=str(why))
+        tool = int(first["pid"])
+        answer = _Frame(self.answer_bytes)
+        report: dict[str, Any] | None = None
+        deadline = time.monotonic() + timeout_s
+        os.set_blocking(ans_r, False)
+        ans_open = True
+        while answer.data is None and report is None and not answer.over:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            fds = [ctl_r, ans_r] if ans_open else [ctl_r]
+            ready, _, _ = select.select(fds, [], [], left)
+            if ans_r in ready:
+                ans_open = answer.feed(ans_r)
+            if ctl_r in ready:
+                report = ctl.next(time.monotonic() + KILL_WAIT_S) or {"lost": True}
+        if report is not None and answer.data is None:  # ended: what it wrote is in the pipe
+            answer.feed(ans_r)
+        if answer.over:  # never read: the call crashed
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(tool, signal.SIGKILL)
+            report = report or ctl.next(time.monotonic() + KILL_WAIT_S) or {}
+            why = (
+                f"the tool's answer is over its limit ({answer.over:,} bytes, at most "
+                f"{self.answer_bytes:,})"
+            )
+            return CallResult(failure="crashed", detail=why, cpu_s=float(report.get("cpu", 0.0)))
+        timed_out = answer.data is None and report is None
+        if report is None:  # still running (timed out, or exiting after its answer)
+            if timed_out:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(tool, signal.SIGKILL)  # not reaped yet: still this call's pid
+            report = ctl.next(time.monotonic() + KILL_WAIT_S)
+            if report is None:  # not exited after its answer, or the keeper is gone
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(tool, signal.SIGKILL)
+                report = ctl.next(time.monotonic() + KILL_WAIT_S) or {"lost": True}
+        cpu = float(report.get("cpu", 0.0))
+        if answer.data is not None:
+            return CallResult(answer=answer.data, cpu_s=cpu)
+        if timed_out:
+            return CallResult(failure="timeout", cpu_s=cpu)
+        return self._death(report, cpu)
+
+    def _death(self, report: dict[str, Any], cpu: float) -> CallResult:
+        if "status" not in report:
+            return CallResult(failure="crashed", detail="its process was lost", cpu_s=cpu)
+        status = int(report["status"])
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            # RLIMIT_CPU (soft = hard: SIGKILL). A SIGKILL the server did not send: in a pid
+            # namespace the tool process is its init, which no process of the namespace can
+            # kill (itself included), so it is the kernel's: the CPU limit (the OOM killer
+            # aside). Without one, the CPU time says it; the time a wait reports is tick-based
+            # and was seen 20% short of the limit on a busy machine.
+            spent = self.plan.pids or cpu >= 0.5 * self.limits.cpu_s
+            if sig == signal.SIGXCPU or (sig == signal.SIGKILL and spent):
+                return CallResult(failure="cpu", detail=self.limits.cpu_message(), cpu_s=cpu)
+            if sig == signal.SIGXFSZ:
+                return CallResult(failure="file", detail=self.limits.file_message(), cpu_s=cpu)
+            why = f"killed by {_signame(sig)} after {cpu:.2f} s of CPU"
+            return CallResult(failure="crashed", detail=why, cpu_s=cpu)
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else status
+        return CallResult(failure="crashed", detail=f"exit status {code}", cpu_s=cpu)
+
+
+class _Frame:
+    """A length-prefixed answer read from a non-blocking pipe."""
+
+    def __init__(self, limit: int) -> None:
+        self.buf = bytearray()
+        self.data: bytes | None = None
+        self.limit = limit
+        self.over = 0  # the length a frame over ``limit`` said it has (then nothing more read)
+
+    def feed(self, fd: int) -> bool:
+        """Read what is there; False once the pipe is closed, or the frame is over its limit."""
+        while not self.over:
+            try:
+                chunk = os.read(fd, 1 << 20)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            if not chunk:
+                return False
+            self.buf += chunk
+            if len(self.buf) >= 8:
+                need = int.from_bytes(self.buf[:8], "big")
+                if need > self.limit:
+                    self.over = need
+                    self.buf = bytearray()
+                elif len(self.buf) >= 8 + need:
+                    self.data = bytes(self.buf[8 : 8 + need])
+                    return True
+        return False
+
+
+class _Lines:
+    """JSON lines from the keeper's pipe."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buf = b""
+        self.closed = False
+
+    def next(self, deadline: float) -> dict[str, Any] | None:
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if self.closed or left <= 0:
+                return None
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                self.closed = True
+                continue
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        try:
+            value: dict[str, Any] = json.loads(line)
+        except ValueError:
+            return None
+        return value
