@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rollcall.tasks.base import BaseTask, Observation, TaskSpec, Tool, held_out
+from rollcall.tasks.base import TaskSpec, held_out
 
 
 class AgentSpecError(ValueError):
@@ -363,8 +363,10 @@ def validated_once(spec_cls: type[TaskSpec], data: dict[str, Any]) -> TaskSpec:
     return spec
 
 
-class AgentTask(BaseTask):
-    """The plugin of every agent task; a rollout node plays it with ``rollcall.workers.episode``."""
+class AgentTask:
+    """The task of every agent: its prompts from the spec's file or dataset; the episode runtime
+    (``rollcall.workers.episode``) plays them with the spec's agent function, whose tools and
+    reward are its own."""
 
     name: ClassVar[str] = "agent"
     description: ClassVar[str] = "Your own async agent function over a prompt file."
@@ -387,26 +389,3 @@ class AgentTask(BaseTask):
 
     def instructions(self, spec: TaskSpec, prompt: dict[str, Any]) -> str:
         return json.dumps(prompt, sort_keys=True)
-
-    def call_tool(
-        self,
-        spec: TaskSpec,
-        prompt: dict[str, Any],
-        state: dict[str, Any],
-        name: str,
-        arguments: dict[str, Any],
-    ) -> Observation:
-        raise NotImplementedError("an agent task's tools are called by its agent function")
-
-    def tools(self, spec: TaskSpec) -> list[Tool]:
-        return []
-
-    def reward(
-        self,
-        spec: TaskSpec,
-        prompt: dict[str, Any],
-        answer: str | None,
-        state: dict[str, Any],
-        turns: int,
-    ) -> float:
-        raise NotImplementedError("an agent task's reward is its agent function's Outcome")

@@ -64,7 +64,11 @@ class ToolError(Exception):
 
 
 @runtime_checkable
-class TaskPlugin(Protocol):
+class Task(Protocol):
+    """What every task is: a name, a spec and its prompts. A built-in plugin (``TaskPlugin``)
+    adds its tools, environment and reward; an agent task (``rollcall.tasks.agent``) has its
+    agent function instead."""
+
     name: ClassVar[str]
     description: ClassVar[str]
     Spec: ClassVar[type[TaskSpec]]
@@ -80,6 +84,12 @@ class TaskPlugin(Protocol):
     def instructions(self, spec: TaskSpec, prompt: dict[str, Any]) -> str:
         """The task statement shown to the agent."""
         ...
+
+
+@runtime_checkable
+class TaskPlugin(Task, Protocol):
+    """A task played by the plugin adapter (``rollcall.workers.episode.plugin``): the model
+    calls its tools on its environment's state, then answers; the reward scores the answer."""
 
     def tools(self, spec: TaskSpec) -> list[Tool]: ...
 

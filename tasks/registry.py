@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
-from rollcall.tasks.base import TaskPlugin
+from rollcall.tasks.base import Task, TaskPlugin
 
 ENTRY_POINT_GROUP = "rollcall.tasks"
 
@@ -73,7 +73,16 @@ def _available() -> dict[str, PluginInfo]:
     return dict(sorted(found.items()))
 
 
-def get(name: str) -> TaskPlugin:
+def plugin(name: str) -> TaskPlugin:
+    """The plugin named ``name`` (a task with tools and a reward: not ``agent``)."""
+    task = get(name)
+    if not isinstance(task, TaskPlugin):
+        raise TypeError(f"task {name!r} is not a plugin: it has no tools and reward of its own")
+    return task
+
+
+def get(name: str) -> Task:
+    """The task named ``name``: the agent task (``agent``) or a plugin (``TaskPlugin``)."""
     infos = _available()
     info = infos.get(name)
     if info is None:
@@ -81,6 +90,7 @@ def get(name: str) -> TaskPlugin:
     module_name, _, attr = info.target.partition(":")
     cls = getattr(importlib.import_module(module_name), attr)
     plugin = cls()
-    if not isinstance(plugin, TaskPlugin) or plugin.name != name:
+    agent = info.source == "agent"
+    if not isinstance(plugin, Task if agent else TaskPlugin) or plugin.name != name:
         raise TypeError(f"task plugin {name!r} ({info.target}) does not implement TaskPlugin")
     return plugin

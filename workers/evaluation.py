@@ -94,8 +94,8 @@ class Evaluator:
         location: str | None = None,
     ) -> dict[str, list[float]]:
         """The reward of each held-out prompt 0..episodes-1 per task, under ``version``."""
-        from rollcall.workers.episode.loop import Limits
         from rollcall.workers.episode.play import player
+        from rollcall.workers.episode.trajectory import Limits
 
         if location is not None and version != self.engine.version:
             from rollcall.workers.weights import wait_published

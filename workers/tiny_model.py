@@ -38,7 +38,7 @@ def corpus_lines(n_per_task: int = 300) -> Iterator[str]:
     for name, info in registry.available().items():
         if info.source in ("benchmark", "agent"):  # timing models; the user's own agents
             continue
-        plugin = registry.get(name)
+        plugin = registry.plugin(name)
         spec = plugin.Spec()
         for i in range(n_per_task):
             p = plugin.prompt(spec, i)

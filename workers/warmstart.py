@@ -178,7 +178,7 @@ def warm_sources(tasks: tuple[str, ...], *, corpora: int = 4) -> list[tuple[Task
     memorising the default corpus's facts does not."""
     out: list[tuple[TaskPlugin, TaskSpec]] = []
     for name in tasks:
-        plugin = registry.get(name)
+        plugin = registry.plugin(name)
         spec = plugin.Spec()
         out.append((plugin, spec))
         if name == "retrieval":

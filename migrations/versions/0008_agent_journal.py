@@ -269,6 +269,24 @@ def _detached() -> list[str]:
     return [r[0] for r in op.get_bind().execute(sa.text(_DETACHED))]
 
 
+# Retention deletes a consumed sample's journal rows with its segments: the roles that may
+# insert into the table (ops/deploy/postgres-roles.sql's runtime role, by default privileges)
+# may delete from it too, as from trajectory_segments (0005).
+GRANT_DELETE = """
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN SELECT DISTINCT grantee FROM information_schema.role_table_grants
+        WHERE table_schema = current_schema() AND table_name = 'agent_journal'
+          AND privilege_type = 'INSERT' AND grantee <> current_user
+    LOOP
+        EXECUTE format('GRANT DELETE ON agent_journal TO %I', r.grantee);
+    END LOOP;
+END $$
+"""
+
+
 def upgrade() -> None:
     op.create_table(
         "agent_journal",
@@ -287,6 +305,7 @@ def upgrade() -> None:
         op.execute(f"ALTER TABLE {table} ADD COLUMN journal_calls integer")
     op.execute(f"DROP FUNCTION {OLD_SIGNATURE}")
     op.execute(WRITE_FN)
+    op.execute(GRANT_DELETE)
     # Journals checkpointed before stay inline in env_state (a state without the writer's
     # journal_stored mark is stored as it is): their samples resume exactly as before.
 

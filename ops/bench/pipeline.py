@@ -118,8 +118,10 @@ class Setup:
 def dry_run(setup: Setup, model_dir: Path, per_task: int) -> dict[str, list[Sample]]:
     """Trajectories of every task played by the real agent loop, timing engine and task code,
     with the sleeps recorded instead of slept (batch of one, so no decode slowdown)."""
-    from rollcall.workers.episode.loop import AgentLoop, Limits
+    from rollcall.workers.episode.chat import chat_for
+    from rollcall.workers.episode.play import player
     from rollcall.workers.episode.tools import ToolResult, ToolRunner
+    from rollcall.workers.episode.trajectory import Limits
     from rollcall.workers.rollout.engines.timing import TimingEngine
 
     slept: list[float] = []
@@ -155,9 +157,9 @@ def dry_run(setup: Setup, model_dir: Path, per_task: int) -> dict[str, list[Samp
         for i in range(per_task):
             slept.clear()
             limits = Limits(spec.max_turns, MAX_TOKENS_PER_TURN, MAX_TOKENS)
-            loop = AgentLoop(
-                engine, engine.tokenizer, task, spec, task.prompt(spec, 10**6 + i), InProcess(),
-                limits,
+            loop = player(
+                engine, chat_for(engine.tokenizer), task, spec, task.prompt(spec, 10**6 + i),
+                InProcess(), limits,
             )  # fmt: skip
             o = loop.run()
             samples.append(Sample(sum(slept), len(o.trajectory.token_ids), o.turns))

@@ -28,9 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rollcall.tasks.guess import GuessSpec, GuessTask
+from rollcall.workers.episode.chat import chat_for
 from rollcall.workers.episode.engine import GenerationRequest
-from rollcall.workers.episode.loop import AgentLoop, Limits
+from rollcall.workers.episode.play import player
 from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.episode.trajectory import Limits
 from rollcall.workers.rollout.engines.batching import BatchingEngine
 from rollcall.workers.rollout.engines.hf import HFEngine
 
@@ -43,9 +45,8 @@ def run_loops(hf: HFEngine, loops: int, turns: int, tokens_per_turn: int) -> dic
 
     def one(i: int) -> None:
         with ToolRunner() as runner:
-            out = AgentLoop(
-                engine, hf.tokenizer, task, spec, task.prompt(spec, i), runner, limits
-            ).run()
+            chat = chat_for(hf.tokenizer)
+            out = player(engine, chat, task, spec, task.prompt(spec, i), runner, limits).run()
             generated[i] = sum(out.trajectory.loss_mask)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(loops)]

@@ -52,7 +52,8 @@ GRANT USAGE ON SCHEMA public TO rollcall_runtime;
 
 -- what the migrations create (as the migrator) is usable by the runtime role: data, not DDL.
 -- No DELETE: rollcall never deletes rows (ended work keeps its end state), except payload
--- segments (a replaced checkpoint, retention), which migration 0005 grants on that one table.
+-- segments (a replaced checkpoint, retention) and recorded calls (retention), which migrations
+-- 0005 and 0008 grant on those two tables.
 ALTER DEFAULT PRIVILEGES FOR ROLE rollcall_migrator IN SCHEMA public
     GRANT SELECT, INSERT, UPDATE ON TABLES TO rollcall_runtime;
 ALTER DEFAULT PRIVILEGES FOR ROLE rollcall_migrator IN SCHEMA public

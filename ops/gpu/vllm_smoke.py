@@ -246,8 +246,10 @@ def start_engine(args: argparse.Namespace, model_dir: Path, max_model_len: int =
 def agent_loops(engine: Any, loops: int) -> list[Any]:
     """``loops`` calculator trajectories played at once through the engine."""
     from rollcall.tasks.calculator import CalculatorSpec, CalculatorTask
-    from rollcall.workers.episode.loop import AgentLoop, Limits
+    from rollcall.workers.episode.chat import chat_for
+    from rollcall.workers.episode.play import player
     from rollcall.workers.episode.tools import ToolRunner
+    from rollcall.workers.episode.trajectory import Limits
 
     task, spec = CalculatorTask(), CalculatorSpec()
     limits = Limits(
@@ -259,9 +261,8 @@ def agent_loops(engine: Any, loops: int) -> list[Any]:
     def one(i: int) -> None:
         try:
             with ToolRunner() as runner:
-                loop = AgentLoop(
-                    engine, engine.tokenizer, task, spec, task.prompt(spec, i), runner, limits
-                )
+                chat = chat_for(engine.tokenizer)
+                loop = player(engine, chat, task, spec, task.prompt(spec, i), runner, limits)
                 out[i] = loop.run().trajectory
         except BaseException as e:
             errors.append(e)

@@ -25,7 +25,7 @@ from rollcall.orchestrator.domain import EventView, TaskView, WorkerStatus
 from rollcall.orchestrator.inputs import bounded_prompt
 from rollcall.orchestrator.quotas import SeedInput, seed_counts
 from rollcall.tasks import registry
-from rollcall.tasks.base import TaskPlugin
+from rollcall.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class ControlPlaneBuffer(BufferBase):
         db: Database,
         job_id: int,
         config: BufferConfig | None = None,
-        plugins: Callable[[str], TaskPlugin] = registry.get,
+        plugins: Callable[[str], Task] = registry.get,
         *,
         beside: BufferBase | None = None,
     ) -> None:

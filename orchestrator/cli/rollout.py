@@ -99,10 +99,10 @@ def preview(
     task_spec = plugin.Spec.model_validate(spec_data)
 
     from rollcall.workers.episode.chat import Chat, ChatTemplateError
-    from rollcall.workers.episode.loop import Limits
     from rollcall.workers.episode.play import player
     from rollcall.workers.episode.toolcalls import FORMATS
     from rollcall.workers.episode.tools import ToolRunner
+    from rollcall.workers.episode.trajectory import Limits
     from rollcall.workers.episode.usercode import UserCodeError
     from rollcall.workers.rollout.engines.hf import HFEngine
 

@@ -28,7 +28,7 @@ def node_config(
     engine_hook: str | None = None,
 ) -> NodeConfig:
     """The ``NodeConfig`` of rollout slot ``index``, from the job's config."""
-    from rollcall.workers.episode.loop import Limits
+    from rollcall.workers.episode.trajectory import Limits
     from rollcall.workers.rollout.node import NodeConfig
 
     r = cfg.rollout

@@ -21,8 +21,8 @@ from rollcall.orchestrator.buffer.rollout import RolloutBuffer
 from rollcall.orchestrator.config import BufferConfig, TimingEngineConfig
 from rollcall.orchestrator.db.engine import Database
 from rollcall.orchestrator.services.tasks import register_task
-from rollcall.workers.episode.loop import Limits
 from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.episode.trajectory import Limits
 from rollcall.workers.rollout.node import NodeConfig, RolloutNode
 from tests.integration.buffer_helpers import rows, scalar
 

@@ -93,3 +93,35 @@ def test_retention_catches_up_in_bounded_passes_and_can_be_off(
     late = make_buffer(db, batch_groups=1, payload_retention_steps=0)
     assert [late.drop_old_payloads(max_steps=1)[0] for _ in range(5)] == [2, 2, 2, 2, 0]
     assert {s: v[1] for s, v in _by_step(engine).items()} == {0: 2, 1: 2, 2: 2, 3: 2}
+
+
+def test_retention_drops_the_record_of_calls_with_the_tokens(
+    db: Database, engine: sa.Engine
+) -> None:
+    """Every episode's calls are recorded (``agent_journal``, one row per call): a consumed
+    episode's rows go with its payload, so a long job's record does not grow without bound."""
+    import dataclasses
+
+    from rollcall.orchestrator.domain import JOURNAL, JOURNAL_STORED
+    from tests.integration.buffer_helpers import payload
+
+    add_tasks(db, {"name": "a", "group_size": 2, "max_staleness": 100})
+    buf = make_buffer(db, batch_groups=1, payload_retention_steps=0)
+    buf.seed()
+    w = buf.register_worker("r0")
+    calls = [{"k": "chat", "h": "0", "r": {"s": 1, "e": 8, "f": "stop", "v": 0}}] * 3
+    for step in range(2):
+        c = buf.claim(w.id)
+        assert c is not None
+        for s in c.samples:
+            p = payload(step, seed=s.sample_index)
+            state = {"turn": 1, JOURNAL: calls, JOURNAL_STORED: 0}
+            p = dataclasses.replace(p, env_state={"state": state})
+            buf.commit(c.lease, s.sample_index, p, 1.0)
+        assert buf.claim_batch(step).num_trajectories == 2
+        buf.commit_step(step)
+    assert scalar(engine, "SELECT count(*) FROM agent_journal") == 2 * 2 * 3
+    n, nbytes = buf.drop_old_payloads()
+    assert n == 4 and nbytes > 4 * 8 * 9  # the tokens, and the record
+    assert scalar(engine, "SELECT count(*) FROM agent_journal") == 0
+    assert check_invariants(db, 1).ok

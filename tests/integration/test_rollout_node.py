@@ -10,7 +10,7 @@ import sqlalchemy as sa
 
 from rollcall.orchestrator.config import BufferConfig
 from rollcall.orchestrator.db.engine import Database
-from rollcall.workers.episode.loop import Limits
+from rollcall.workers.episode.trajectory import Limits
 from rollcall.workers.rollout.node import NodeConfig, RolloutNode, rollout_actor
 from tests.integration.buffer_helpers import add_tasks, rows, scalar
 from tests.support.waiting import wait_for

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from rollcall.orchestrator.config import BufferConfig, ToolSandboxConfig
 from rollcall.orchestrator.db.engine import Database
 from rollcall.workers.episode import sandbox
-from rollcall.workers.episode.loop import Limits
+from rollcall.workers.episode.trajectory import Limits
 from rollcall.workers.rollout.node import NodeConfig, RolloutNode
 from tests.integration.buffer_helpers import rows
 

@@ -17,9 +17,10 @@ from rollcall.tasks.echo import EchoTask
 from rollcall.workers.episode import AgentUsageError
 from rollcall.workers.episode import runtime as agent_runtime
 from rollcall.workers.episode.chat import chat_for
-from rollcall.workers.episode.loop import AgentLoop, Limits
+from rollcall.workers.episode.play import player
 from rollcall.workers.episode.runtime import AgentRun
 from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.episode.trajectory import Limits
 from rollcall.workers.episode.usercode import UserCodeError
 
 AGENTS = "tests.support.faulty_agents"
@@ -183,8 +184,8 @@ def test_a_plugins_bad_reward_is_the_inputs_fault(
     spec = plugin.Spec()
     prompt = plugin.prompt(spec, 0)
     with ToolRunner() as runner:
-        loop = AgentLoop(tiny_engine, tiny_engine.tokenizer, plugin, spec, prompt, runner,
-                         Limits(max_turns=1, max_tokens_per_turn=8))  # fmt: skip
+        loop = player(tiny_engine, chat_for(tiny_engine.tokenizer), plugin, spec, prompt, runner,
+                      Limits(max_turns=1, max_tokens_per_turn=8))  # fmt: skip
         with pytest.raises(UserCodeError) as e:
             loop.run()
     assert e.value.message == message

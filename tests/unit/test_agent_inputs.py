@@ -14,9 +14,9 @@ import pytest
 from rollcall.tasks.agent import AgentSpec, AgentTask, PromptSource, prompt_rows
 from rollcall.workers.episode import AgentUsageError
 from rollcall.workers.episode.chat import chat_for
-from rollcall.workers.episode.loop import Limits
 from rollcall.workers.episode.runtime import AgentRun
 from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.episode.trajectory import Limits
 from rollcall.workers.episode.usercode import UserCodeError
 
 AGENTS = "tests.support.agents"

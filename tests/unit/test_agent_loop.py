@@ -1,4 +1,5 @@
-"""The agent loop: token-in/token-out, masks, behaviour log-probs, tools, limits, resume."""
+"""A built-in plugin's episodes in the episode runtime (``play_plugin``): token-in/token-out,
+masks, behaviour log-probs, tools, limits, resume."""
 
 from __future__ import annotations
 
@@ -8,12 +9,36 @@ from typing import Any
 import pytest
 import torch
 
+from rollcall.orchestrator.domain import TrajectoryPayload
+from rollcall.tasks.base import TaskPlugin, TaskSpec
 from rollcall.tasks.calculator import CalculatorSpec, CalculatorTask
 from rollcall.tasks.guess import GuessSpec, GuessTask
+from rollcall.workers.episode.chat import chat_for
 from rollcall.workers.episode.engine import EngineHealth, Generation, GenerationRequest
-from rollcall.workers.episode.loop import AgentLoop, Limits, Trajectory
+from rollcall.workers.episode.play import player
+from rollcall.workers.episode.runtime import AgentRun
 from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.episode.trajectory import Limits, Trajectory
 from rollcall.workers.rollout.engines.hf import HFEngine
+
+BOOKKEEPING = ("journal", "journal_stored", "calls")
+
+
+def play(
+    engine: Any,
+    task: TaskPlugin,
+    spec: TaskSpec,
+    prompt: dict[str, Any],
+    runner: ToolRunner,
+    limits: Limits | None = None,
+) -> AgentRun:
+    chat = chat_for(engine.tokenizer)
+    return player(engine, chat, task, spec, prompt, runner, limits or Limits(spec.max_turns))
+
+
+def env(state: dict[str, Any]) -> dict[str, Any]:
+    """The plugin's own state of a finished trajectory's (without the runtime's record)."""
+    return {k: v for k, v in state.items() if k not in BOOKKEEPING}
 
 
 @pytest.fixture(scope="session")
@@ -82,16 +107,9 @@ class ScriptedEngine:
 def test_token_in_token_out_and_behaviour_logprobs(engine: HFEngine, runner: ToolRunner) -> None:
     rec = RecordingEngine(engine)
     task, spec = CalculatorTask(), CalculatorSpec()
-    loop = AgentLoop(
-        rec,
-        engine.tokenizer,
-        task,
-        spec,
-        task.prompt(spec, 0),
-        runner,
-        Limits(max_turns=3, max_tokens_per_turn=24),
-    )
-    out = loop.run()
+    out = play(
+        rec, task, spec, task.prompt(spec, 0), runner, Limits(max_turns=3, max_tokens_per_turn=24)
+    ).run()
     t = out.trajectory
     assert t.finished and len(rec.calls) == len(t.turn_offsets) >= 1
     # Every turn after the first started from the KV cache of the previous one (the context
@@ -131,15 +149,14 @@ def test_tool_calls_errors_and_answer(engine: HFEngine, runner: ToolRunner) -> N
         '<tool>{"name": "calc", "arguments": {"expression": "__import__(1)"}}</tool><|end|>',
         "<answer>40</answer><|end|>",
     ]
-    loop = AgentLoop(ScriptedEngine(tok, script), tok, task, spec, prompt, runner)
-    out = loop.run()
+    out = play(ScriptedEngine(tok, script), task, spec, prompt, runner).run()
     text = tok.decode(out.trajectory.token_ids)
     assert "<|tool|>\n40\n" in text
     assert "error: the tool call is not valid JSON" in text
     assert "error: Call is not allowed" in text
     assert out.trajectory.answer == "40" and out.reward == 1.0 and out.turns == 4
     assert out.trajectory.turn_versions == [3, 3, 3, 3]
-    assert out.trajectory.state == {"calc_calls": 1}
+    assert env(out.trajectory.state) == {"calc_calls": 1}
     # Observation tokens are not trained on; the generated ones are.
     t = out.trajectory
     for start, end in zip(t.turn_offsets, [*t.turn_offsets[1:], len(t.token_ids)], strict=True):
@@ -150,13 +167,13 @@ def test_tool_calls_errors_and_answer(engine: HFEngine, runner: ToolRunner) -> N
 def test_environment_end_and_limits(engine: HFEngine, runner: ToolRunner) -> None:
     tok = engine.tokenizer
     task, spec = GuessTask(), GuessSpec()
-    won = AgentLoop(
+    won = play(
         ScriptedEngine(tok, ['<tool>{"name": "guess", "arguments": {"number": 50}}</tool><|end|>']),
-        tok, task, spec, {"secret": 50}, runner,
+        task, spec, {"secret": 50}, runner,
     ).run()  # fmt: skip
     assert won.trajectory.stop_reason == "environment" and won.reward == 1.0
-    cut = AgentLoop(
-        ScriptedEngine(tok, ["a" * 400, "b" * 400]), tok, task, spec, {"secret": 50}, runner,
+    cut = play(
+        ScriptedEngine(tok, ["a" * 400, "b" * 400]), task, spec, {"secret": 50}, runner,
         Limits(max_turns=2, max_tokens_per_turn=16),
     ).run()  # fmt: skip
     assert cut.trajectory.stop_reason == "turn limit" and cut.reward == 0.0
@@ -176,22 +193,25 @@ def test_resume_from_a_checkpoint_keeps_earlier_turns(engine: HFEngine, runner: 
         '<tool>{"name": "guess", "arguments": {"number": 25}}</tool><|end|>',
         '<tool>{"name": "guess", "arguments": {"number": 30}}</tool><|end|>',
     ]
-    checkpoints: list[Any] = []
-    first = AgentLoop(ScriptedEngine(tok, turns[:2]), tok, task, spec, prompt, runner)
-    t = first.start()
-    for _ in range(2):
-        first.step(t)
-        checkpoints.append(t.payload())
-    # The node died after turn 2; its checkpoint (as stored by the buffer) resumes the game.
+    checkpoints: list[TrajectoryPayload] = []
+    first = play(ScriptedEngine(tok, turns[:2]), task, spec, prompt, runner)
+    with pytest.raises(IndexError):  # the engine "dies" when asked for a third turn
+        first.run(on_turn=lambda t: checkpoints.append(t.payload()))
+    # one checkpoint a turn, taken after the generation; the tool call went with the next
+    assert [len(c.turn_offsets) for c in checkpoints] == [1, 2]
+    # The node died after turn 2; its checkpoint (as stored by the buffer) resumes the game:
+    # the calls recorded are answered from it, the second guess (not yet checkpointed) runs
+    # again, and the third turn is generated.
     ck = checkpoints[-1]
-    again = AgentLoop(ScriptedEngine(tok, turns[2:], version=4), tok, task, spec, prompt, runner)
+    again = play(ScriptedEngine(tok, turns[2:], version=4), task, spec, prompt, runner)
     out = again.run(resume=ck)
+    assert again.stats.replayed == 3 and again.stats.generated == 1
     r = out.trajectory
     n = ck.num_tokens
     assert r.token_ids[:n] == [int(x) for x in ck.token_ids]
     assert r.loss_mask[:n] == [int(x) for x in ck.loss_mask]
     assert r.turn_versions == [3, 3, 4]
-    assert r.state == {"guesses": 3, "solved": True}
+    assert env(r.state) == {"guesses": 3, "solved": True}
     assert out.reward == pytest.approx(1 - 0.5 * 2 / 7)
     assert Trajectory.from_payload(r.payload()).token_ids == r.token_ids
 
@@ -212,11 +232,10 @@ def test_a_smollm2_hermes_call_is_run_and_its_result_comes_back_as_a_tool_messag
 ) -> None:
     engine = RecordingEngine(HFEngine(smollm2_dir, seed=0))
     task, spec = CopyCallTask(), CalculatorSpec()
-    limits = Limits(max_turns=2, max_tokens_per_turn=40, temperature=0.05)
-    loop = AgentLoop(engine, engine.tokenizer, task, spec, task.prompt(spec, 0), runner, limits)
-    assert loop.chat.format.name == "hermes"
-    t = loop.start()
-    loop.step(t)
+    # one turn: the tool's message and the next header end the trajectory (the turn limit)
+    limits = Limits(max_turns=1, max_tokens_per_turn=40, temperature=0.05)
+    assert chat_for(engine.tokenizer).format.name == "hermes"
+    t = play(engine, task, spec, task.prompt(spec, 0), runner, limits).run().trajectory
     tok = engine.tokenizer
     (context, gen) = engine.calls[0]
     assert context == t.token_ids[: t.prompt_tokens]  # the prompt, rendered by its template
@@ -230,4 +249,4 @@ def test_a_smollm2_hermes_call_is_run_and_its_result_comes_back_as_a_tool_messag
         tok.decode(t.token_ids[end:]) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
     )
     assert t.loss_mask[end:] == [0] * (len(t.token_ids) - end)
-    assert not t.finished
+    assert t.stop_reason == "turn limit"

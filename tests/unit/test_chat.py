@@ -142,16 +142,23 @@ def tiny_tokenizer(tiny_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_dir)
 
 
+def observation_ids(chat: Chat, observation: str, *, ended: bool) -> list[int]:
+    """The segment after a generated turn of a plugin's conversation (question "q")."""
+    before = [*chat.head([CALC], "q"), {"role": "assistant", "content": "..."}]
+    new = [{"role": "tool", "content": observation}]
+    return chat.extension_ids(before, new, [CALC], ended=ended)
+
+
 def test_the_tiny_model_renders_its_format_through_its_chat_template(tiny_dir: Path) -> None:
     tok = tiny_tokenizer(tiny_dir)
     assert tok.chat_template == ROLLCALL_TEMPLATE  # saved by the builder
     chat = Chat(tok)  # prefix stability is checked here
     assert chat.format.name == "rollcall"
-    ids = chat.prompt_ids([CALC], "What is 6 times 7?")
+    ids = chat.messages_ids(chat.head([CALC], "What is 6 times 7?"), [CALC])
     assert ids == tok.encode(prompt_text([CALC], "What is 6 times 7?"), add_special_tokens=False)
-    assert tok.decode(chat.observation_ids([CALC], "q", "42", ended=True)) == observation_text("42")
+    assert tok.decode(observation_ids(chat, "42", ended=True)) == observation_text("42")
     # a turn cut off before <|end|>: the observation closes the assistant message first
-    cut = tok.decode(chat.observation_ids([CALC], "q", "42", ended=False))
+    cut = tok.decode(observation_ids(chat, "42", ended=False))
     assert cut == "<|end|>" + observation_text("42")
     gen = tok.encode("<answer>42</answer><|end|>", add_special_tokens=False)
     assert chat.parse(gen) == Answer("42")
@@ -199,10 +206,10 @@ def test_smollm2_renders_with_its_own_template_and_hermes_calls(smollm2_dir: Pat
     chat = Chat(tok)  # prefix stability is checked here
     assert chat.format.name == "hermes"  # the default of its family (llama)
     head = chat.head([CALC], "What is 6 times 7?")
-    ids = chat.prompt_ids([CALC], "What is 6 times 7?")
+    ids = chat.messages_ids(head, [CALC])
     assert tok.decode(ids) == tok.apply_chat_template(
         head, tokenize=False, add_generation_prompt=True
     )
     assert str(tok.decode(ids)).startswith("<|im_start|>system\nYou have these tools:\n- calc(")
-    obs = tok.decode(chat.observation_ids([CALC], "q", "42", ended=True))
+    obs = tok.decode(observation_ids(chat, "42", ended=True))
     assert obs == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"

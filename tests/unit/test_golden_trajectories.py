@@ -1,18 +1,24 @@
 """Golden trajectories: the episode runtime's output, pinned token for token.
 
 Every built-in task plugin (``calculator``, ``echo``, ``guess``, ``retrieval`` and the
-``longtail`` timing model; not ``agent``, the plugin of the user's own agents) is played by the
-plugin agent loop (``AgentLoop``) on the shipped tiny model (``rollcall.workers.tiny_model.
-SHIPPED``) with the ``hf`` engine: 3 prompts (the plugin's ``prompt(spec, i)``, i = 0, 1, 2)
-x a group of 2 samples (``guess``, the longest episodes: 1 sample), each sample on a fresh
-engine seeded with its own seed (``Case.seed_of``), one after the other. The example agents
-that need no network or LLM judge (``examples/lookup``, ``examples/openrlhf``) are played by
-the user-agent runtime (``AgentRun``, no Ray, no database: ``on_turn`` only records what it is
-handed), 2 prompts each; their state holds the agent's journal of calls. Each golden file in
+``longtail`` timing model; not ``agent``, the plugin of the user's own agents) and the example
+agents that need no network or LLM judge (``examples/lookup``, ``examples/openrlhf``) are played
+by the one episode runtime (``rollcall.workers.episode.play.player``: a plugin through its
+adapter ``play_plugin``) on the shipped tiny model (``rollcall.workers.tiny_model.SHIPPED``)
+with the ``hf`` engine, no Ray, no database (``on_turn`` only records what it is handed): 3
+prompts (the plugin's ``prompt(spec, i)``, i = 0, 1, 2) x a group of 2 samples (``guess``, the
+longest episodes: 1 sample; the agents: 2 prompts, 1 sample), each sample on a fresh engine
+seeded with its own seed (``Case.seed_of``), one after the other. Each golden file in
 ``tests/golden/`` holds, per episode, the whole committed payload (``Trajectory.payload()``:
 token ids, loss mask, behaviour log-probs, turn offsets and policy versions, prompt length,
 environment state, finished), the reward and turn count, the decoded text (for reading), and
-what the node was handed to checkpoint after every turn (``on_turn``).
+what the node was handed to checkpoint after every turn (``on_turn``: its length, turns and the
+kinds of the calls recorded so far).
+
+The plugins' trajectories, rewards and final states were recorded first by the plugin loop
+that the runtime replaced (``AgentLoop``, deleted), and the runtime reproduced them: only the
+checkpoints changed (one per turn as before, taken after the generation, the tool call recorded
+with the next one).
 
 The test replays the same episodes and requires everything discrete (tokens, masks, turns,
 versions, states, rewards, stop reasons, text, checkpoints; not the agent runtime's own record
@@ -37,7 +43,7 @@ import argparse
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,12 +52,12 @@ from typing import Any
 import pytest
 
 from rollcall.tasks import registry
-from rollcall.tasks.agent import AgentSpec, AgentTask
+from rollcall.tasks.agent import AgentSpec
 from rollcall.tasks.base import TaskSpec
 from rollcall.workers.episode.chat import chat_for
-from rollcall.workers.episode.loop import AgentLoop, Limits, Played, Trajectory
-from rollcall.workers.episode.runtime import AgentRun
+from rollcall.workers.episode.play import player
 from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.episode.trajectory import Limits, Trajectory
 from rollcall.workers.rollout.engines.hf import HFEngine
 from rollcall.workers.tiny_model import SHIPPED, deterministic_build, file_digests
 
@@ -171,13 +177,19 @@ def _plain(value: Any) -> Any:
 
 
 def _checkpoint(t: Trajectory) -> dict[str, Any]:
-    """What ``on_turn`` handed the node, less the tokens (a prefix of the final ones)."""
+    """What ``on_turn`` handed the node, less the tokens (a prefix of the final ones) and the
+    record of calls (its kinds only: the entries' results are the tokens and states pinned
+    elsewhere)."""
     p = t.payload()
+    env = _plain(p.env_state)
+    journal = env.get("state", {}).pop("journal", [])
+    env["state"].pop("journal_stored", None)
     return {
         "num_tokens": p.num_tokens,
         "turns": len(p.turn_offsets),
         "finished": p.finished,
-        "env_state": _plain(p.env_state),
+        "calls": "".join(str(e["k"])[0] for e in journal),  # c(hat), t(ool), s(tep)
+        "env_state": env,
     }
 
 
@@ -195,14 +207,9 @@ def play(case: Case, prompt_index: int, sample: int, runner: ToolRunner) -> dict
         checkpoints.append(_checkpoint(t))
         prefixes.append(list(t.token_ids))
 
-    run: Callable[..., Played]
-    if isinstance(plugin, AgentTask):
-        assert isinstance(spec, AgentSpec)
-        chat = chat_for(engine.tokenizer)
-        run = AgentRun(engine, chat, spec, prompt, runner, case.limits, sample_index=sample).run
-    else:
-        run = AgentLoop(engine, engine.tokenizer, plugin, spec, prompt, runner, case.limits).run
-    out = run(on_turn=on_turn)
+    chat = chat_for(engine.tokenizer)
+    loop = player(engine, chat, plugin, spec, prompt, runner, case.limits, sample_index=sample)
+    out = loop.run(on_turn=on_turn)
     t = out.trajectory
     # every checkpoint's tokens are a prefix of the final trajectory's (so are not stored)
     assert all(t.token_ids[: len(ids)] == ids for ids in prefixes), "a checkpoint was rewritten"

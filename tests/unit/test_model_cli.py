@@ -52,7 +52,7 @@ def test_model_init_then_preview(run: Any, tmp_path: Path) -> None:
 
     built = build_tokenizer()
     for name in ("calculator", "retrieval"):
-        plugin = registry.get(name)
+        plugin = registry.plugin(name)
         spec = plugin.Spec()
         text = "".join(t for t, _ in episode(plugin, spec, plugin.prompt(spec, 3)))
         ids = built.encode(text, add_special_tokens=False)

@@ -34,7 +34,7 @@ def test_echo_prompt_stream_is_deterministic_and_seeded() -> None:
 
 
 def test_echo_reward() -> None:
-    plugin = registry.get("echo")
+    plugin = registry.plugin("echo")
     spec = EchoSpec()
     prompt = {"target": "alpha bravo"}
     assert plugin.reward(spec, prompt, "alpha bravo\n", {}, 1) == 1.0
@@ -69,3 +69,13 @@ def test_plugins_are_discovered_once_per_process(monkeypatch: pytest.MonkeyPatch
         assert len(calls) == 1
     finally:
         registry._available.cache_clear()
+
+
+def test_the_agent_task_is_a_task_and_not_a_plugin() -> None:
+    """An agent's tools and reward are its agent function's: its task has none to call."""
+    from rollcall.tasks.base import Task, TaskPlugin
+
+    agent = registry.get("agent")
+    assert isinstance(agent, Task) and not isinstance(agent, TaskPlugin)
+    with pytest.raises(TypeError, match="not a plugin"):
+        registry.plugin("agent")

@@ -22,10 +22,11 @@ from rollcall.tasks.longtail import (
     planned_turns,
     tool_latency_s,
 )
-from rollcall.workers.episode.chat import ParsedCall, parse_turn
+from rollcall.workers.episode.chat import ParsedCall, chat_for, parse_turn
 from rollcall.workers.episode.engine import GenerationRequest
-from rollcall.workers.episode.loop import AgentLoop, Limits
+from rollcall.workers.episode.play import player
 from rollcall.workers.episode.tools import ToolResult, ToolRunner
+from rollcall.workers.episode.trajectory import Limits
 from rollcall.workers.rollout.engines.timing import TimingEngine
 from rollcall.workers.trainer.batch import TrainSequence
 from rollcall.workers.trainer.timing import TimingTrainerRank, step_seconds
@@ -251,9 +252,8 @@ def test_the_agent_loop_plays_long_tail_episodes_of_the_profile(tiny_dir: Path) 
     for i in range(20):
         prompt = task.prompt(spec, i)
         before = e.health().tokens_generated
-        out = AgentLoop(
-            e, e.tokenizer, task, spec, prompt, InProcess(), Limits(64, 512, 12_000)
-        ).run()
+        chat = chat_for(e.tokenizer)
+        out = player(e, chat, task, spec, prompt, InProcess(), Limits(64, 512, 12_000)).run()
         t = out.trajectory
         assert t.stop_reason in ("environment", "token limit")
         if t.stop_reason == "environment":

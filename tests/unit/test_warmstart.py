@@ -32,7 +32,7 @@ def tokenizer(tiny_dir: Path) -> Any:
 def test_a_lazy_transcript_answers_without_a_tool_and_weighs_its_first_turn_as_the_oracle(
     tokenizer: Any,
 ) -> None:
-    plugin = registry.get("calculator")
+    plugin = registry.plugin("calculator")
     spec = plugin.Spec()
     prompt = plugin.prompt(spec, 7)
     oracle = transcript(plugin, spec, prompt, tokenizer)

@@ -19,7 +19,7 @@ from rollcall.orchestrator.config import BufferConfig, VLLMEngineConfig
 from rollcall.orchestrator.db.engine import Database
 from rollcall.orchestrator.engineprocs import engine_processes
 from rollcall.orchestrator.procfs import alive
-from rollcall.workers.episode.loop import Limits
+from rollcall.workers.episode.trajectory import Limits
 from rollcall.workers.rollout.node import NodeConfig, rollout_actor
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support.waiting import wait_for

@@ -1,5 +1,6 @@
-"""One episode: the agent runtime with its record and replay, the plugin loop, the chat format,
-tool calls and the tool sandbox (``play.player`` picks how a sample is played). Its package
+"""One episode: the runtime that plays an agent function with its record and replay, the
+built-in plugins' adapter (an agent function too), the chat format, tool calls and the tool
+sandbox (``play.player`` starts every sample). Its package
 exports the API an agent function is written against (users import it as ``rollcall``,
 docs/agents.md).
 

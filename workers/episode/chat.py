@@ -214,22 +214,6 @@ class Chat:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def prompt_ids(self, tools: list[Tool], instructions: str) -> list[int]:
-        """The first segment: system and user messages and the assistant header."""
-        return self._encode(self._render(self.head(tools, instructions), tools, generation=True))
-
-    def observation_ids(
-        self, tools: list[Tool], instructions: str, observation: str, *, ended: bool
-    ) -> list[int]:
-        """The segment after a generated turn: the rest of the assistant message's closing (all
-        of it when the turn was cut off before its end-of-turn token, ``ended`` False), the
-        tool message, and the next assistant header."""
-        base = [*self.head(tools, instructions), _assistant(_PROBE)]
-        before = self._render(base, tools)
-        after = self._render([*base, _tool(observation)], tools, generation=True)
-        closing = self._closing if ended else self.eos_text + self._closing
-        return self._encode(closing + after[len(before) :])
-
     def messages_ids(self, messages: list[dict[str, Any]], tools: list[Tool]) -> list[int]:
         """A conversation's first segment: ``messages`` rendered with the generation prompt."""
         return self._encode(self._render(messages, tools, generation=True))
@@ -244,9 +228,13 @@ class Chat:
     ) -> list[int]:
         """The segment after a generated turn that ends ``before``: the rest of the assistant
         message's closing, the ``new`` (user or tool) messages and the next assistant header,
-        as ``observation_ids`` finds it (earlier assistant messages rendered as probes: only
-        what rendering ``new`` adds is encoded)."""
-        base = [m if m["role"] != "assistant" else _assistant(_PROBE) for m in before]
+        found as what rendering ``new`` adds after the conversation's
+        head (its messages before the first assistant message) and one probe assistant
+        message. The cost is the head's and ``new``'s, not the conversation's: a template is
+        prefix-stable (``_check``) and renders a message by what precedes it at most one
+        message back, as the templates of the families in ``toolcalls`` do."""
+        first = next((i for i, m in enumerate(before) if m["role"] == "assistant"), len(before))
+        base = [*before[:first], _assistant(_PROBE)]
         text_before = self._render(base, tools)
         after = self._render([*base, *new], tools, generation=True)
         if not after.startswith(text_before):

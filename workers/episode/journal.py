@@ -5,7 +5,9 @@ order: its kind (``chat``, ``tool``, ``step``), a fingerprint of what was asked 
 result (``r``). ``Recorder`` is the part of ``AgentContext`` that keeps it: each call takes the
 next recorded entry while the record lasts (checking that it is the same call: else the run has
 diverged), or runs live and appends its entry, and the trajectory is checkpointed at once
-(``on_call``) before the result is returned.
+(``on_call``) before the result is returned; a deterministic call may instead be checkpointed
+with the next one (``Slot.defer``: a built-in plugin's tool call, so a plugin turn is one
+checkpoint).
 
 The journal is append-only: the trajectory's state also says how many of its first entries are
 stored already (``state["journal_stored"]``: the entries replayed from the checkpoint, and those
@@ -28,8 +30,8 @@ from typing import Any
 
 from rollcall.orchestrator.domain import JOURNAL, JOURNAL_STORED
 from rollcall.workers.episode.api import AgentUsageError, ReplayDivergence
-from rollcall.workers.episode.loop import Trajectory
 from rollcall.workers.episode.threads import in_thread
+from rollcall.workers.episode.trajectory import Trajectory
 
 
 def _stable(value: Any) -> Any:
@@ -60,6 +62,9 @@ class Slot:
 
     entry: dict[str, Any] | None
     result: Any = None
+    # checkpoint with the next call instead of at once (a deterministic call: one lost with
+    # its process is made again on replay)
+    defer: bool = False
 
 
 class Recorder:
@@ -111,7 +116,9 @@ class Recorder:
             JOURNAL_STORED: self._stored,
         }
 
-    def _finish_call(self, kind: str, key: str, entry: Any, result: Any) -> None:
+    def _finish_call(
+        self, kind: str, key: str, entry: Any, result: Any, checkpoint: bool = True
+    ) -> None:
         if entry is None and result is None:  # the live call raised: nothing to record
             return
         self._journal = [*self._journal, entry or {"k": kind, "h": key, "r": result}]
@@ -122,7 +129,7 @@ class Recorder:
             return
         self._mark()
         self.stats.live += 1
-        if self._on_call is not None:
+        if checkpoint and self._on_call is not None:
             try:
                 self._on_call(self.trajectory)
             except BaseException as e:  # the checkpoint failed or the lease moved on
@@ -147,7 +154,7 @@ class Recorder:
         try:
             slot = Slot(self._next(kind, key, detail))
             yield slot
-            self._finish_call(kind, key, slot.entry, slot.result)
+            self._finish_call(kind, key, slot.entry, slot.result, checkpoint=not slot.defer)
         finally:
             self._busy = False
 
@@ -173,7 +180,11 @@ class AsyncSlot:
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
-            if exc_type is None:
+            if exc_type is None and self.slot.defer:  # nothing written now: no thread
+                self.recorder._finish_call(
+                    self.kind, self.key, self.slot.entry, self.slot.result, checkpoint=False
+                )
+            elif exc_type is None:
                 await in_thread(
                     self.recorder._finish_call,
                     self.kind,

@@ -1,8 +1,10 @@
-"""Running an agent function durably: the context it calls, the record of its calls, replay.
+"""The episode runtime: an agent function run durably, the context it calls, the record of its
+calls, replay.
 
-``AgentRun`` plays one sample of an agent task with the same interface as the plugin loop
-(``AgentLoop``): ``run(resume, on_turn) -> Outcome`` over a ``Trajectory``, checkpointed by the
-rollout node after every call through ``on_turn`` (fenced by the lease epoch).
+``AgentRun`` plays one sample of any task: a user's agent function (an agent task), or a
+built-in plugin through its adapter (``rollcall.workers.episode.plugin``), an agent function
+too. ``run(resume, on_turn) -> Played`` builds a ``Trajectory``, checkpointed by the rollout
+node after every call through ``on_turn`` (fenced by the lease epoch).
 
 The record (``Trajectory.state["journal"]``) holds one entry per call, in call order: its kind
 (``chat``, ``tool``, ``step``), a fingerprint of what was asked (the messages, the tool and its
@@ -35,8 +37,8 @@ from typing import Any
 
 from rollcall.orchestrator.domain import JOURNAL
 from rollcall.orchestrator.inputs import json_bytes, text_bytes, too_big
-from rollcall.tasks.agent import DEFAULT_EPISODE_TIMEOUT_S, AgentSpec, AgentSpecError, load_agent
-from rollcall.tasks.base import Tool
+from rollcall.tasks.agent import AgentSpec, AgentSpecError, load_agent
+from rollcall.tasks.base import TaskSpec, Tool
 from rollcall.workers.episode.api import (
     AgentUsageError,
     ContextLimit,
@@ -48,7 +50,6 @@ from rollcall.workers.episode.api import (
 from rollcall.workers.episode.chat import Chat
 from rollcall.workers.episode.engine import Engine, GenerationRequest
 from rollcall.workers.episode.journal import CallStats, Recorder, fingerprint
-from rollcall.workers.episode.loop import Limits, Played, Trajectory
 from rollcall.workers.episode.messages import (
     as_message,
     as_text,
@@ -57,7 +58,8 @@ from rollcall.workers.episode.messages import (
     with_tool_text,
 )
 from rollcall.workers.episode.threads import bounded, in_thread, run_tool
-from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.episode.tools import DEFAULT_TIMEOUT_S, ToolRunner
+from rollcall.workers.episode.trajectory import Limits, Played, Trajectory
 from rollcall.workers.episode.usercode import (
     UserCodeError,
     check_json,
@@ -102,6 +104,12 @@ class AgentContext(Recorder):
         self._conv_tools: list[Tool] = []
         self._ended = True
         self.api_key = f"rc-{secrets.token_urlsafe(18)}"
+        # set by the built-in plugins' adapter (``plugin.py``): its messages come as rendered
+        # (the format's system text in them) and a turn that a limit refuses keeps its
+        # segment; the episode's stop reason and the environment's state as it ended
+        self._as_rendered = False
+        self._stop_reason: str | None = None
+        self._env_state: dict[str, Any] | None = None
 
     # -- public API ---------------------------------------------------------------------
 
@@ -171,7 +179,7 @@ class AgentContext(Recorder):
                         "tool_arguments_bytes", limits.tool_arguments_bytes,
                     )  # fmt: skip
                 else:
-                    timeout = self._run.spec.tool_timeout_s if timeout_s is None else timeout_s
+                    timeout = self._run.tool_timeout_s if timeout_s is None else timeout_s
                     ok, value = await run_tool(
                         target, call, fn, timeout, runner=self._run.tools if isolate else None,
                         network=limits.network,
@@ -194,7 +202,7 @@ class AgentContext(Recorder):
         verifier), its result recorded so replay returns the same. The result must be
         JSON-serialisable. An exception from ``fn`` propagates (nothing is recorded); a
         ``timeout_s=`` keyword (default: the task's ``tool_timeout_s``) bounds it."""
-        timeout = float(kwargs.pop("timeout_s", self._run.spec.tool_timeout_s))
+        timeout = float(kwargs.pop("timeout_s", self._run.tool_timeout_s))
         name = getattr(fn, "__qualname__", type(fn).__qualname__)
         key = fingerprint("step", name, args, kwargs)
         async with self._call("step", key, name) as slot:
@@ -222,6 +230,19 @@ class AgentContext(Recorder):
                 ) from None
             slot.result = {"v": value}
             return value
+
+    def _recorded(
+        self, kind: str, key: str, detail: str, live: Callable[[], Any], *, defer: bool = False
+    ) -> Any:
+        """A call of ``kind`` answered from the record, or ``live()`` recorded, on the caller's
+        thread (the plugins' adapter: it has no episode timeout to be cancelled by);
+        ``defer``: checkpointed with the next call (``Slot.defer``)."""
+        with self._sync_call(kind, key, detail) as slot:
+            if slot.entry is not None:
+                return slot.entry["r"]
+            slot.defer = defer
+            slot.result = live()
+            return slot.result
 
     # -- chat ---------------------------------------------------------------------------
 
@@ -279,7 +300,7 @@ class AgentContext(Recorder):
     ) -> tuple[Reply, dict[str, Any]]:
         chat, t = self._run.chat, self.trajectory
         if self._conv is None:
-            render = with_tool_text(self._run.chat, msgs, tools)
+            render = msgs if self._as_rendered else with_tool_text(self._run.chat, msgs, tools)
             segment = chat.messages_ids(render, tools)
             self._conv_tools = tools
         else:
@@ -302,7 +323,14 @@ class AgentContext(Recorder):
                 )
             render = [*self._render, *new]
             segment = chat.extension_ids(self._render, new, self._conv_tools, ended=self._ended)
-        budget = self._budget(len(segment), max_tokens, trained=True)
+        try:
+            budget = self._budget(len(segment), max_tokens, trained=True)
+        except ContextLimit:
+            if self._as_rendered:  # the plugins' trajectories end with what the model was told
+                t.append(segment, generated=False)
+                if self._conv is None:
+                    t.prompt_tokens = len(segment)
+            raise
         start = len(t.token_ids) + len(segment)
         if entry is not None:
             r = entry["r"]
@@ -378,22 +406,30 @@ class _CallFailed(Exception):
 
 
 class AgentRun:
-    """One sample of an agent task, played (or replayed) by its agent function."""
+    """One sample of a task, played (or replayed) by its agent function: ``fn``, or the agent
+    task's (``spec.agent``, loaded on ``run``)."""
 
     def __init__(
         self,
         engine: Engine,
         chat: Chat,
-        spec: AgentSpec,
+        spec: TaskSpec,
         prompt: dict[str, Any],
         tools: ToolRunner,
         limits: Limits,
         *,
+        fn: Callable[..., Any] | None = None,
         endpoint_host: str = "127.0.0.1",
         on_divergence: Callable[[str, int], None] | None = None,
         episode_id: int | None = None,
         sample_index: int = 0,
     ) -> None:
+        if fn is None and not isinstance(spec, AgentSpec):
+            raise TypeError("AgentRun needs an agent function or an agent task's spec")
+        self.fn = fn
+        # an agent's tool and step calls' default timeout (its spec's; a plugin's, its runner's)
+        default = getattr(tools, "timeout_s", DEFAULT_TIMEOUT_S)
+        self.tool_timeout_s = float(getattr(spec, "tool_timeout_s", default))
         self.episode_id = episode_id
         self.sample_index = sample_index
         self.engine = engine
@@ -424,10 +460,14 @@ class AgentRun:
         resume: Any = None,
         on_turn: Callable[[Trajectory], None] | None = None,
     ) -> Played:
-        try:
-            fn = load_agent(self.spec.agent)
-        except AgentSpecError as e:  # it does not import here (its file or a module it needs)
-            raise UserCodeError(str(e), kind="raised", head="the agent does not load") from e
+        if self.fn is not None:
+            fn = self.fn
+        else:
+            assert isinstance(self.spec, AgentSpec)
+            try:
+                fn = load_agent(self.spec.agent)
+            except AgentSpecError as e:  # it does not import here (its file or a module)
+                raise UserCodeError(str(e), kind="raised", head="the agent does not load") from e
         saved = Trajectory.from_payload(resume) if resume is not None else None
         record = list(saved.state.get(JOURNAL, [])) if saved is not None else []
         while True:
@@ -450,9 +490,10 @@ class AgentRun:
                 self.on_divergence(ctx.diverged, lost)
             record, saved = [], None
         t = ctx.trajectory
-        t.finished, t.stop_reason = True, stop
+        t.finished, t.stop_reason = True, ctx._stop_reason or stop
         calls = {"replayed": ctx.stats.replayed, "live": ctx.stats.live}
-        t.state = {**t.state, "calls": calls, **({"info": info} if info else {})}
+        env = ctx._env_state or {}  # a plugin's state as its episode ended
+        t.state = {**env, **t.state, "calls": calls, **({"info": info} if info else {})}
         return Played(t, reward, len(t.turn_offsets))
 
     def _play(self, fn: Callable[..., Any], ctx: AgentContext) -> tuple[float, str, dict[str, Any]]:
@@ -501,7 +542,7 @@ class AgentRun:
         if isinstance(result, numbers.Real) and not isinstance(result, bool):
             return check_reward(result, "the agent's reward", fn), "returned", {}
         raise UserCodeError(
-            f"the agent {self.spec.agent} returned {type(result).__name__}, not an Outcome (or "
+            f"the agent {self._name(fn)} returned {type(result).__name__}, not an Outcome (or "
             "a number)",
             location=code_location(fn),
             kind="returned",
@@ -511,6 +552,12 @@ class AgentRun:
             input_independent=result is not None,
         )
 
+    def _name(self, fn: Callable[..., Any]) -> str:
+        """The agent function as the user named it (an agent task's ``spec.agent``)."""
+        if isinstance(self.spec, AgentSpec):
+            return self.spec.agent
+        return str(getattr(fn, "__qualname__", fn))
+
     def _call(self, fn: Callable[..., Any], ctx: AgentContext) -> Any:
         """``await fn(ctx, prompt)`` on an event loop of its own thread, within the task's
         ``episode_timeout_s``: past it the function is cancelled (``UserCodeError``, where it
@@ -518,7 +565,8 @@ class AgentRun:
         code) is abandoned ``CANCEL_GRACE_S`` later, its calls through ``ctx`` refused."""
         from rollcall.workers.episode.endpoint import registered
 
-        timeout = float(getattr(self.spec, "episode_timeout_s", DEFAULT_EPISODE_TIMEOUT_S))
+        given = getattr(self.spec, "episode_timeout_s", None)  # a plugin's episodes: none
+        timeout = None if given is None else float(given)
         expired: list[BaseException] = []
 
         async def main() -> Any:
@@ -550,7 +598,9 @@ class AgentRun:
 
         thread = threading.Thread(target=target, daemon=True, name="agent-episode")
         thread.start()
-        concurrent.futures.wait([done], timeout=timeout + CANCEL_GRACE_S)
+        concurrent.futures.wait(
+            [done], timeout=None if timeout is None else timeout + CANCEL_GRACE_S
+        )
         if not done.done():
             frame = sys._current_frames().get(thread.ident or 0)
             ctx.closed = f"it did not finish within {timeout:g} s"

@@ -63,7 +63,7 @@ from rollcall.orchestrator.config import (
 from rollcall.orchestrator.db.engine import IDLE_TX_TIMEOUT_S, Database, open_database
 from rollcall.orchestrator.domain import WorkerStatus
 from rollcall.workers.episode import tools
-from rollcall.workers.episode.loop import Limits
+from rollcall.workers.episode.trajectory import Limits
 from rollcall.workers.rollout.breaker import Breaker
 from rollcall.workers.rollout.enginehost import EngineHost
 from rollcall.workers.rollout.engines.factory import preload

@@ -27,13 +27,12 @@ from rollcall.orchestrator.errors import StaleLeaseError
 from rollcall.orchestrator.inputs import prompt_problem
 from rollcall.tasks import registry
 from rollcall.tasks.agent import validated_once
-from rollcall.tasks.base import TaskPlugin, TaskSpec
+from rollcall.tasks.base import Task, TaskSpec
 from rollcall.workers.episode import tools
 from rollcall.workers.episode.engine import EngineFailure
-from rollcall.workers.episode.loop import Limits, Trajectory
 from rollcall.workers.episode.play import player
-from rollcall.workers.episode.runtime import AgentRun
 from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.episode.trajectory import Limits, Trajectory
 from rollcall.workers.episode.usercode import UserCodeError
 from rollcall.workers.rollout.breaker import Breaker
 from rollcall.workers.rollout.enginehost import EngineHost
@@ -53,7 +52,7 @@ class Work:
     """A claimed episode whose samples the node's agent loops share."""
 
     claim: ClaimedEpisode
-    plugin: TaskPlugin
+    plugin: Task
     spec: TaskSpec
     limits: Limits
     todo: deque[SampleState]  # samples not started yet
@@ -289,17 +288,15 @@ class SampleScheduler:
                     on_turn=functools.partial(self._checkpoint, lease, sample.sample_index),
                 )
             finally:
-                if isinstance(loop, AgentRun):
-                    self.counters.add(
-                        agent_calls_replayed=loop.stats.replayed,
-                        agent_calls_live=loop.stats.live,
-                        agent_generations=loop.stats.generated,
-                        agent_runs_abandoned=int(loop.abandoned),
-                    )
+                self.counters.add(
+                    agent_calls_replayed=loop.stats.replayed,
+                    agent_calls_live=loop.stats.live,
+                    agent_generations=loop.stats.generated,
+                    agent_runs_abandoned=int(loop.abandoned),
+                )
             t = outcome.trajectory
             info = {"turns": outcome.turns, "stop_reason": t.stop_reason, "answer": t.answer}
-            if isinstance(loop, AgentRun):
-                info |= {"calls": t.state.get("calls", {}), "info": t.state.get("info", {})}
+            info |= {"calls": t.state.get("calls", {}), "info": t.state.get("info", {})}
             self.buffer.commit(lease, sample.sample_index, t.payload(), outcome.reward, info)
             self.counters.add(samples_committed=1)
             self.breaker.succeeded()

@@ -20,7 +20,7 @@ class NodeStats:
     weight_loads: int = 0
     weight_load_s_last: float = 0.0
     weight_load_s_total: float = 0.0
-    agent_calls_replayed: int = 0  # agent tasks: calls answered from the record after a resume
+    agent_calls_replayed: int = 0  # episodes' calls answered from the record after a resume
     agent_calls_live: int = 0  # ... calls served now
     agent_generations: int = 0  # ... chat calls that ran the engine
     agent_divergences: int = 0  # ... replays that diverged (the sample restarted from scratch)

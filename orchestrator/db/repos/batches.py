@@ -402,7 +402,7 @@ class BatchRepository:
             .order_by(Trajectory.episode_id, Trajectory.sample_index)
         ).all()
         by_episode: dict[int, list[BatchTrajectory]] = {}
-        payloads = TrajectoryRepository(self.session).payloads(trajs)
+        payloads = TrajectoryRepository(self.session).payloads(trajs, journal=False)
         for t, payload in zip(trajs, payloads, strict=True):
             assert t.reward is not None
             by_episode.setdefault(t.episode_id, []).append(

@@ -186,11 +186,14 @@ class TrajectoryRepository:
             found[t.sample_index] = SampleState(t.sample_index, "in_progress", payload)
         return tuple(found.get(i, SampleState(i, "new")) for i in range(group_size))
 
-    def payloads(self, rows: Sequence[Trajectory]) -> list[TrajectoryPayload]:
+    def payloads(
+        self, rows: Sequence[Trajectory], *, journal: bool = True
+    ) -> list[TrajectoryPayload]:
         """The payloads of ``trajectories`` rows: their segments read in one query and
-        concatenated, checked to cover each sample's tokens exactly; an agent sample's journal
-        entries read in one more and put back into its state (``state["journal"]``, in call
-        order), checked to be all there."""
+        concatenated, checked to cover each sample's tokens exactly; with ``journal`` (a
+        resume needs it, training does not), a sample's journal entries read in one more and
+        put back into its state (``state["journal"]``, in call order), checked to be all
+        there."""
         if not rows:
             return []
         parts = self._segments({(t.task_id, t.episode_id, t.sample_index) for t in rows})
@@ -198,7 +201,7 @@ class TrajectoryRepository:
             {
                 (t.task_id, t.episode_id, t.sample_index): t.journal_calls
                 for t in rows
-                if t.journal_calls is not None
+                if t.journal_calls is not None and journal
             }
         )
         out = []
@@ -215,7 +218,7 @@ class TrajectoryRepository:
             payload = TrajectoryPayload.from_columns(
                 t, b"".join(tokens), b"".join(mask), b"".join(logprobs)
             )
-            if t.journal_calls is not None:
+            if t.journal_calls is not None and journal:
                 env = payload.env_state
                 state = {**env.get("state", {}), JOURNAL: journals.get(key, [])}
                 payload = dataclasses.replace(payload, env_state={**env, "state": state})
@@ -309,8 +312,9 @@ class TrajectoryRepository:
     def drop_payloads(self, job_id: int, after_step: int, through_step: int) -> tuple[int, int]:
         """Retention: delete the segments of the job's trajectories consumed by steps
         ``(after_step, through_step]``, and of its expired groups expired before step
-        ``through_step`` was committed, marking each trajectory ``payload_dropped_at`` (its
-        metadata, reward and versions stay). Returns (trajectories, payload bytes) dropped."""
+        ``through_step`` was committed, and their journal entries, marking each trajectory
+        ``payload_dropped_at`` (its metadata, reward and versions stay). Returns (trajectories,
+        payload bytes) dropped."""
         row = self.session.execute(
             text(
                 """
@@ -328,6 +332,10 @@ class TrajectoryRepository:
                     RETURNING s.task_id, s.episode_id, s.sample_index,
                         octet_length(s.token_ids) + octet_length(s.loss_mask)
                         + octet_length(s.behaviour_logprobs) AS nbytes
+                ), journal AS (
+                    DELETE FROM agent_journal j USING eps
+                    WHERE j.task_id = eps.task_id AND j.episode_id = eps.id
+                    RETURNING pg_column_size(j.entry) AS nbytes
                 ), marked AS (
                     UPDATE trajectories tr SET payload_dropped_at = now()
                     FROM (SELECT DISTINCT task_id, episode_id, sample_index FROM gone) g
@@ -336,7 +344,8 @@ class TrajectoryRepository:
                     RETURNING 1
                 )
                 SELECT (SELECT count(*) FROM marked) AS n,
-                       (SELECT coalesce(sum(nbytes), 0) FROM gone) AS nbytes
+                       (SELECT coalesce(sum(nbytes), 0) FROM gone)
+                       + (SELECT coalesce(sum(nbytes), 0) FROM journal) AS nbytes
                 """
             ),
             {"j": job_id, "lo": after_step, "hi": through_step},
