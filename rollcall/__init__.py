@@ -37,7 +37,7 @@ if TYPE_CHECKING:
         Reply,
         ToolCall,
     )
-    from rollcall.workers.episode.runtime import AgentContext
+    from rollcall.workers.episode.context import AgentContext
 
 _EXPORTS = {
     # bring your own agent

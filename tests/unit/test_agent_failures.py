@@ -217,7 +217,7 @@ def test_rollout_preview_shows_a_failing_episode_and_goes_on(
 def test_a_function_that_cannot_be_called_so_fails_on_every_input(
     tiny_engine: Any, tmp_path: Path
 ) -> None:
-    from rollcall.workers.episode.runtime import AgentContext
+    from rollcall.workers.episode.context import AgentContext
 
     async def takes_one(ctx: Any) -> None:  # its signature changed after it was checked
         return None

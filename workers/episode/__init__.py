@@ -18,7 +18,7 @@ from rollcall.workers.episode.api import (
     Reply,
     ToolCall,
 )
-from rollcall.workers.episode.runtime import AgentContext
+from rollcall.workers.episode.context import AgentContext
 
 __all__ = [
     "AgentContext",

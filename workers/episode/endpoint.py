@@ -31,7 +31,7 @@ from rollcall.orchestrator.inputs import too_big
 from rollcall.workers.episode.api import AgentUsageError, ContextLimit, ReplayDivergence
 
 if TYPE_CHECKING:
-    from rollcall.workers.episode.runtime import AgentContext
+    from rollcall.workers.episode.context import AgentContext
 
 _contexts: dict[str, AgentContext] = {}
 _lock = threading.Lock()

@@ -23,8 +23,8 @@ from typing import Any
 from rollcall.orchestrator.inputs import json_bytes, too_big
 from rollcall.tasks.base import TaskPlugin, TaskSpec
 from rollcall.workers.episode.api import ContextLimit, Outcome, ToolCall
+from rollcall.workers.episode.context import AgentContext
 from rollcall.workers.episode.journal import fingerprint
-from rollcall.workers.episode.runtime import AgentContext
 from rollcall.workers.episode.usercode import check_json, check_reward, user_call
 
 CUT_OFF = "error: the turn was cut off; end each turn with a tool call or an answer"
