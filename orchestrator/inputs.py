@@ -52,3 +52,13 @@ def prompt_problem(prompt: Any, limit: int | None) -> str | None:
     if limit is not None and (size := json_bytes(prompt)) > limit:
         return too_big("the prompt row", size, "prompt_bytes", limit)
     return None
+
+
+def arguments_problem(name: str, arguments: Any, limit: int) -> str | None:
+    """Why a model's call to the tool ``name`` is refused (its ``arguments`` over ``limit``
+    bytes; the tool is not called), or None."""
+    if (size := json_bytes(arguments)) <= limit:
+        return None
+    return too_big(
+        f"the arguments of the call to {name[:64]!r}", size, "tool_arguments_bytes", limit
+    )

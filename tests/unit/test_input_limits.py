@@ -11,12 +11,15 @@ from typing import Any
 
 import pytest
 
-from rollcall.orchestrator.inputs import OVERSIZE_KEY, bounded_prompt, prompt_problem
+from rollcall.orchestrator.inputs import (
+    OVERSIZE_KEY,
+    arguments_problem,
+    bounded_prompt,
+    prompt_problem,
+)
 from rollcall.tasks.agent import AgentSpec
 from rollcall.workers.episode import AgentUsageError
-from rollcall.workers.episode.api import ToolCall
 from rollcall.workers.episode.chat import chat_for
-from rollcall.workers.episode.plugin import arguments_problem
 from rollcall.workers.episode.runtime import AgentRun
 from rollcall.workers.episode.tools import ToolRunner
 from rollcall.workers.episode.trajectory import Limits
@@ -67,10 +70,10 @@ def test_tool_arguments_over_their_limit_are_refused_before_the_tool_runs(
         "error: the arguments of the call to 'calc' is 100,017 bytes, over "
         "rollout.input_limits.tool_arguments_bytes (65,536)"
     )
-    # a plugin's episode: the same sentence, and the tool is not called
-    problem = arguments_problem(ToolCall("call_0", "calc", arguments), 65_536)
+    # a plugin's episode: the same sentence (the one check both use), and the tool is not called
+    problem = arguments_problem("calc", arguments, 65_536)
     assert problem is not None and "100,017 bytes" in problem
-    assert arguments_problem(ToolCall("call_0", "calc", {"expression": "1"}), 65_536) is None
+    assert arguments_problem("calc", {"expression": "1"}, 65_536) is None
 
 
 def test_a_step_result_over_its_limit_fails_the_episode_with_one_sentence(

@@ -9,7 +9,7 @@ import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from rollcall.orchestrator.inputs import json_bytes, text_bytes, too_big
+from rollcall.orchestrator.inputs import arguments_problem, text_bytes, too_big
 from rollcall.tasks.base import Tool
 from rollcall.workers.episode.api import (
     AgentUsageError,
@@ -129,12 +129,9 @@ class AgentContext(Recorder):
                 content = str(slot.entry["r"]["c"])
             else:
                 limits = self._run.limits
-                size = json_bytes(call.arguments)
-                if size > limits.tool_arguments_bytes:
-                    ok, value = False, too_big(
-                        f"the arguments of the call to {call.name[:64]!r}", size,
-                        "tool_arguments_bytes", limits.tool_arguments_bytes,
-                    )  # fmt: skip
+                refused = arguments_problem(call.name, call.arguments, limits.tool_arguments_bytes)
+                if refused is not None:  # the tool is not called
+                    ok, value = False, refused
                 else:
                     timeout = self._run.tool_timeout_s if timeout_s is None else timeout_s
                     ok, value = await run_tool(

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rollcall.orchestrator.inputs import json_bytes, too_big
+from rollcall.orchestrator.inputs import arguments_problem
 from rollcall.tasks.base import TaskPlugin, TaskSpec
 from rollcall.workers.episode.api import ContextLimit, Outcome, ToolCall
 from rollcall.workers.episode.context import AgentContext
@@ -81,9 +81,9 @@ def _apply(
     ctx: AgentContext, plugin: TaskPlugin, spec: TaskSpec, state: dict[str, Any], call: ToolCall
 ) -> tuple[str, dict[str, Any], bool]:
     """(observation, state after, the environment ended) of ``call`` on ``state``."""
-    refused = arguments_problem(call, ctx.limits.tool_arguments_bytes)
+    refused = arguments_problem(call.name, call.arguments, ctx.limits.tool_arguments_bytes)
     if refused is not None:  # the tool is not called
-        return refused, state, False
+        return f"error: {refused}", state, False
 
     def live() -> dict[str, Any]:
         r = ctx._run.tools.call(
@@ -96,16 +96,6 @@ def _apply(
     key = fingerprint("tool", call.name, call.arguments)
     r = ctx._recorded("tool", key, call.name, live, defer=True)
     return str(r["c"]), dict(r["s"]), bool(r["d"])
-
-
-def arguments_problem(call: ToolCall, limit: int) -> str | None:
-    """The error observation for tool-call arguments over ``limit`` bytes, or None."""
-    size = json_bytes(call.arguments)
-    if size <= limit:
-        return None
-    return "error: " + too_big(
-        f"the arguments of the call to {call.name[:64]!r}", size, "tool_arguments_bytes", limit
-    )
 
 
 def _read(plugin: TaskPlugin, spec: TaskSpec, text: str) -> str | None:
