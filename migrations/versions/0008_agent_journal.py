@@ -12,7 +12,10 @@ Create Date: 2026-12-06
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
 
 import sqlalchemy as sa
 from alembic import op
@@ -149,103 +152,6 @@ BEGIN
 END $$
 """
 
-# 0005's write, frozen here for the downgrade (migrations are history).
-WRITE_FN_0005 = """
-CREATE FUNCTION rollcall_write_sample(
-    p_episode bigint, p_epoch bigint, p_sample integer, p_commit boolean, p_start integer,
-    p_token_ids bytea, p_loss_mask bytea, p_logprobs bytea, p_num_tokens integer,
-    p_prompt_tokens integer, p_num_turns integer, p_turn_offsets integer[],
-    p_turn_versions integer[], p_min_version integer, p_env_state jsonb, p_finished boolean,
-    p_reward double precision, p_reward_info jsonb
-) RETURNS TABLE (outcome text, group_done boolean) LANGUAGE plpgsql VOLATILE AS $$
-DECLARE
-    ep record;
-    n integer;
-    v_end integer;
-    v_outcome text;
-    v_done boolean := false;
-BEGIN
-    IF p_commit THEN
-        SELECT e.task_id INTO ep FROM episodes e
-        WHERE e.id = p_episode AND e.lease_epoch = p_epoch AND e.status = 'leased' FOR UPDATE;
-    ELSE
-        SELECT e.task_id INTO ep FROM episodes e
-        WHERE e.id = p_episode AND e.lease_epoch = p_epoch AND e.status = 'leased' FOR SHARE;
-    END IF;
-    IF NOT FOUND THEN
-        IF p_commit THEN
-            SELECT e.task_id INTO ep FROM episodes e
-            WHERE e.id = p_episode AND e.lease_epoch = p_epoch AND e.status = 'done';
-            IF FOUND AND EXISTS (
-                SELECT 1 FROM trajectories tr WHERE tr.task_id = ep.task_id
-                AND tr.episode_id = p_episode AND tr.sample_index = p_sample
-                AND tr.status IN ('ready', 'claimed', 'consumed')
-            ) THEN
-                RETURN QUERY SELECT 'already'::text, true;
-                RETURN;
-            END IF;
-        END IF;
-        RETURN QUERY SELECT 'stale'::text, false;
-        RETURN;
-    END IF;
-    IF p_start > 0 THEN
-        SELECT s.end_token INTO v_end FROM trajectory_segments s
-        WHERE s.task_id = ep.task_id AND s.episode_id = p_episode AND s.sample_index = p_sample
-          AND s.start_token < p_start
-        ORDER BY s.start_token DESC LIMIT 1;
-        IF v_end IS DISTINCT FROM p_start THEN
-            RETURN QUERY SELECT 'rebase'::text, false;
-            RETURN;
-        END IF;
-    END IF;
-    INSERT INTO trajectories AS tr (
-        task_id, episode_id, sample_index, lease_epoch, num_tokens, prompt_tokens, num_turns,
-        turn_offsets, turn_versions, min_policy_version, env_state, finished, status, reward,
-        reward_info, ready_at
-    ) VALUES (
-        ep.task_id, p_episode, p_sample, p_epoch, p_num_tokens, p_prompt_tokens, p_num_turns,
-        p_turn_offsets, p_turn_versions, p_min_version, p_env_state, p_finished,
-        CASE WHEN p_commit THEN 'ready' ELSE 'in_progress' END::trajectory_status,
-        p_reward, p_reward_info, CASE WHEN p_commit THEN now() END
-    )
-    ON CONFLICT (task_id, episode_id, sample_index) DO UPDATE SET
-        lease_epoch = excluded.lease_epoch, num_tokens = excluded.num_tokens,
-        prompt_tokens = excluded.prompt_tokens, num_turns = excluded.num_turns,
-        turn_offsets = excluded.turn_offsets, turn_versions = excluded.turn_versions,
-        min_policy_version = excluded.min_policy_version, env_state = excluded.env_state,
-        finished = excluded.finished, status = excluded.status, reward = excluded.reward,
-        reward_info = excluded.reward_info, ready_at = excluded.ready_at, updated_at = now()
-    WHERE tr.status = 'in_progress';
-    GET DIAGNOSTICS n = ROW_COUNT;
-    IF n > 0 THEN
-        DELETE FROM trajectory_segments s
-        WHERE s.task_id = ep.task_id AND s.episode_id = p_episode AND s.sample_index = p_sample
-          AND s.start_token >= p_start;
-        IF p_num_tokens > p_start THEN
-            INSERT INTO trajectory_segments (
-                task_id, episode_id, sample_index, start_token, end_token, lease_epoch,
-                token_ids, loss_mask, behaviour_logprobs
-            ) VALUES (
-                ep.task_id, p_episode, p_sample, p_start, p_num_tokens, p_epoch, p_token_ids,
-                p_loss_mask, p_logprobs
-            );
-        END IF;
-    END IF;
-    v_outcome := CASE WHEN n > 0 THEN 'written' ELSE 'already' END;
-    IF p_commit THEN
-        UPDATE episodes e SET status = 'done', lease_owner = NULL, lease_expires_at = NULL,
-               finished_at = now(), updated_at = now(), min_policy_version = prog.m
-        FROM (
-            SELECT count(*) AS c, min(t.min_policy_version) AS m FROM trajectories t
-            WHERE t.task_id = ep.task_id AND t.episode_id = p_episode AND t.status = 'ready'
-        ) prog
-        WHERE e.id = p_episode AND prog.c >= e.group_size;
-        v_done := FOUND;
-    END IF;
-    RETURN QUERY SELECT v_outcome, v_done;
-END $$
-"""
-
 OLD_SIGNATURE = (
     "rollcall_write_sample(bigint, bigint, integer, boolean, integer, bytea, bytea, bytea, "
     "integer, integer, integer, integer[], integer[], integer, jsonb, boolean, "
@@ -263,6 +169,18 @@ SELECT c.relname FROM pg_class c
 WHERE c.relname ~ '^trajectories_t[0-9]+$' AND c.relkind = 'r'
   AND NOT EXISTS (SELECT 1 FROM pg_inherits i WHERE i.inhrelid = c.oid)
 """
+
+
+def _migration(filename: str) -> ModuleType:
+    """An earlier migration's module, loaded by its file (its name is no module name): the
+    downgrade writes 0005's ``rollcall_write_sample`` again (migrations are history: that file
+    does not change)."""
+    path = Path(__file__).with_name(filename)
+    spec = importlib.util.spec_from_file_location(f"rollcall_migration_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _detached() -> list[str]:
@@ -327,5 +245,5 @@ def downgrade() -> None:
         )
         op.execute(f"ALTER TABLE {table} DROP COLUMN journal_calls")
     op.execute(f"DROP FUNCTION {NEW_SIGNATURE}")
-    op.execute(WRITE_FN_0005)
+    op.execute(_migration("0005_append_only_turns.py").WRITE_FN)
     op.drop_table("agent_journal")
