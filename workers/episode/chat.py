@@ -245,12 +245,17 @@ class Chat:
         closing = self._closing if ended else self.eos_text + self._closing
         return self._encode(closing + after[len(text_before) :])
 
+    def turn_text(self, token_ids: list[int]) -> str:
+        """A generated turn's text, its end-of-turn token removed: the reply's content and what
+        the tool-call format reads (``reply_of`` decodes a turn once, here)."""
+        body = list(token_ids)
+        if body and body[-1] == self.eos_id:
+            body.pop()
+        return str(self.tokenizer.decode(body, skip_special_tokens=False))
+
     def parse(self, token_ids: list[int]) -> Action:
         """A generated turn, read by the tool-call format (its end-of-turn token removed)."""
-        text = str(self.tokenizer.decode(list(token_ids)))
-        if token_ids and token_ids[-1] == self.eos_id and text.endswith(self.eos_text):
-            text = text[: -len(self.eos_text)]
-        return self.format.parse(text)
+        return self.format.parse(self.turn_text(token_ids))
 
     # -- the start-up check ---------------------------------------------------------------
 

@@ -77,11 +77,8 @@ def with_tool_text(
 
 def reply_of(chat: Chat, calls_so_far: int, ids: list[int], finish: str, version: int) -> Reply:
     """A generated turn as the agent sees it (its tool call named ``call_<calls_so_far>``)."""
-    body = list(ids)
-    if body and body[-1] == chat.eos_id:
-        body = body[:-1]
-    text = str(chat.tokenizer.decode(body, skip_special_tokens=False))
-    action = chat.parse(list(ids)) if finish == "stop" else Malformed("the turn was cut off")
+    text = chat.turn_text(ids)
+    action = chat.format.parse(text) if finish == "stop" else Malformed("the turn was cut off")
     calls: list[ToolCall] = []
     answer = error = None
     if isinstance(action, ParsedCall):
