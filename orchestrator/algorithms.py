@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollcall.orchestrator import bounds as b
 
@@ -38,7 +38,112 @@ class DrGRPOAdvantage(_Strict):
     kind: Literal["dr_grpo"] = "dr_grpo"
 
 
-AdvantageEstimator = Annotated[GRPOAdvantage | DrGRPOAdvantage, Field(discriminator="kind")]
+class RLOOAdvantage(_Strict):
+    """RLOO (Ahmadian et al. 2024): each sample's baseline is the mean reward of the other
+    samples of its group, r_i - mean_{j != i} r_j = n / (n - 1) (r_i - mean)."""
+
+    kind: Literal["rloo"] = "rloo"
+
+
+class ReinforcePlusPlus(_Strict):
+    """REINFORCE++ (Hu 2025), outcome reward, gamma 1: every trained token's return is its
+    sample's reward, whitened over all trained tokens of the step (token-weighted mean,
+    variance with Bessel's correction): (r - mean) / sqrt(var + eps). No group baseline, so a
+    group whose rewards are all equal still learns (against the step's mean)."""
+
+    kind: Literal["reinforce_plus_plus"] = "reinforce_plus_plus"
+    eps: Annotated[float, b.EPS.field()] = Field(
+        default=1e-8, description="added to the step's variance before its square root"
+    )
+
+
+class ReinforcePlusPlusBaseline(_Strict):
+    """REINFORCE++-baseline: the group mean subtracted first (r - mean of the group), then
+    whitened over all trained tokens of the step as ``reinforce_plus_plus``."""
+
+    kind: Literal["reinforce_plus_plus_baseline"] = "reinforce_plus_plus_baseline"
+    eps: Annotated[float, b.EPS.field()] = Field(
+        default=1e-8, description="added to the step's variance before its square root"
+    )
+
+
+AdvantageEstimator = Annotated[
+    GRPOAdvantage | DrGRPOAdvantage | RLOOAdvantage | ReinforcePlusPlus | ReinforcePlusPlusBaseline,
+    Field(discriminator="kind"),
+]
+
+# estimators whose advantages depend on the whole step, not on each group alone
+BATCH_NORMALISED = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+# --- policy losses (the ratio and how it is clipped) -------------------------------------------
+
+
+class PPOClip(_Strict):
+    """PPO's token-level clipped ratio: -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A),
+    r = pi_theta / pi_old per token."""
+
+    kind: Literal["ppo"] = "ppo"
+
+
+class GSPO(_Strict):
+    """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its tokens'
+    ratios s = exp(mean_t log(pi_theta / pi_old)) over the sequence's trained tokens, clipped
+    as PPO's with ``loss.clip_low`` / ``loss.clip_high`` (the paper uses 3e-4 / 4e-4); each
+    token carries s with the gradient of its own log-prob, sg[s] pi_theta / sg[pi_theta]."""
+
+    kind: Literal["gspo"] = "gspo"
+
+
+class CISPO(_Strict):
+    """CISPO (MiniMax-M1): -sg[clip(r, 1 - clip_low, 1 + clip_high)] A log pi_theta. The
+    clipped ratio is a weight without gradient, so no token's gradient is dropped by the
+    clip (PPO's clip zeroes it)."""
+
+    kind: Literal["cispo"] = "cispo"
+
+
+PolicyLoss = Annotated[PPOClip | GSPO | CISPO, Field(discriminator="kind")]
+
+
+# --- reward shaping ---------------------------------------------------------------------------
+
+
+class NoShaping(_Strict):
+    """Rewards are trained as the task gave them."""
+
+    kind: Literal["none"] = "none"
+
+
+class OverlongShaping(_Strict):
+    """DAPO's soft overlong punishment: a trajectory whose generated (trained) tokens L pass
+    ``max_tokens - buffer_tokens`` gets min(0, -(L - (max_tokens - buffer_tokens)) /
+    buffer_tokens x penalty) added to its reward for training (the stored reward, evaluation
+    and the reward metrics are unchanged)."""
+
+    kind: Literal["overlong"] = "overlong"
+    max_tokens: Annotated[int, b.tokens(2).field()] = Field(
+        description="the generated-token length the penalty is measured against (DAPO's "
+        "max response length): what a trajectory may generate at most"
+    )
+    buffer_tokens: Annotated[int, b.tokens(1).field()] = Field(
+        description="the penalty grows over the last buffer_tokens before max_tokens"
+    )
+    penalty: Annotated[float, b.COEF.field()] = Field(
+        default=1.0, description="the penalty at max_tokens (DAPO's penalty_factor)"
+    )
+
+    @model_validator(mode="after")
+    def _buffer(self) -> OverlongShaping:
+        if self.buffer_tokens >= self.max_tokens:
+            raise ValueError(
+                f"reward_shaping.buffer_tokens ({self.buffer_tokens}) must be below "
+                f"reward_shaping.max_tokens ({self.max_tokens})"
+            )
+        return self
+
+
+RewardShaping = Annotated[NoShaping | OverlongShaping, Field(discriminator="kind")]
 
 
 # --- off-policy corrections -------------------------------------------------------------------
@@ -125,6 +230,15 @@ class LossConfig(_Strict):
 
     advantage: AdvantageEstimator = Field(
         default_factory=GRPOAdvantage, description="the advantage estimator, by kind"
+    )
+    policy_loss: PolicyLoss = Field(
+        default_factory=PPOClip,
+        description="the policy objective, by kind: ppo (token ratio), gspo (sequence ratio), "
+        "cispo (clipped ratio as a weight)",
+    )
+    reward_shaping: RewardShaping = Field(
+        default_factory=NoShaping,
+        description="how rewards are shaped before advantages, by kind: none or overlong",
     )
     filter_degenerate_groups: bool = Field(
         default=False,

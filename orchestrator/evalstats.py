@@ -48,6 +48,38 @@ def paired_gain(start: Sequence[float], end: Sequence[float]) -> Interval:
     return mean_interval([b - a for a, b in zip(start, end, strict=True)])
 
 
+def pass_at_k(outcomes: Sequence[bool], k: int) -> float:
+    """The unbiased estimate of pass@k for one prompt from its ``n`` samples, ``c`` of them
+    passing (Chen et al. 2021): the chance that k samples drawn without replacement from the n
+    hold at least one pass, 1 - C(n - c, k) / C(n, k), computed as a product."""
+    n, c = len(outcomes), sum(1 for o in outcomes if o)
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@{k} needs 1 <= k <= the {n} samples of a prompt")
+    if n - c < k:
+        return 1.0
+    fail = 1.0
+    for i in range(n - c + 1, n + 1):
+        fail *= 1.0 - k / i
+    return 1.0 - fail
+
+
+def pass_rates(
+    samples: Sequence[Sequence[float]], ks: Sequence[int], threshold: float
+) -> dict[str, float]:
+    """pass@k for each k (a sample passes when its reward is at least ``threshold``) and
+    mean@n, the mean reward of all samples, averaged over the prompts."""
+    if not samples:
+        return {}
+    out = {
+        f"pass@{k}": sum(pass_at_k([r >= threshold for r in rs], k) for rs in samples)
+        / len(samples)
+        for k in ks
+    }
+    n = len(samples[0])
+    out[f"mean@{n}"] = sum(sum(rs) / len(rs) for rs in samples) / len(samples)
+    return out
+
+
 @dataclass(frozen=True)
 class TaskGain:
     task: str
@@ -78,4 +110,17 @@ def gains(evals: Sequence[Mapping[str, Any]]) -> list[TaskGain]:
                 int(last["step"]),
             )
         )
+    return out
+
+
+def pass_changes(
+    evals: Sequence[Mapping[str, Any]],
+) -> list[tuple[str, list[tuple[str, float, float]]]]:
+    """Per task, pass@k and mean@n at the first and the last evaluation that reported them."""
+    points = [r for r in evals if r.get("pass")]
+    out = []
+    for task in sorted({t for r in points for t in r["pass"]}):
+        first = next(r["pass"][task] for r in points if task in r["pass"])
+        last = next(r["pass"][task] for r in reversed(points) if task in r["pass"])
+        out.append((task, [(k, float(first[k]), float(last[k])) for k in last if k in first]))
     return out

@@ -28,9 +28,10 @@ from rollcall.workers.rollout.engines.batching import BatchingEngine
 log = logging.getLogger(__name__)
 
 
-def episode_seed(seed: int, task: str, index: int) -> int:
-    """The sampling seed of held-out episode ``index`` of ``task``."""
-    return (seed * 1_000_003 + zlib.crc32(task.encode()) * 65_537 + index) % (1 << 62)
+def episode_seed(seed: int, task: str, index: int, sample: int = 0) -> int:
+    """The sampling seed of sample ``sample`` of held-out episode ``index`` of ``task``."""
+    base = seed * 1_000_003 + zlib.crc32(task.encode()) * 65_537 + index
+    return (base + sample * 0x9E3779B97F4A7C15) % (1 << 62)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,20 @@ class Evaluator:
         location: str | None = None,
     ) -> dict[str, list[float]]:
         """The reward of each held-out prompt 0..episodes-1 per task, under ``version``."""
+        got = self.evaluate_samples(tasks, episodes, 1, version, location)
+        return {task: [rs[0] for rs in prompts] for task, prompts in got.items()}
+
+    def evaluate_samples(
+        self,
+        tasks: list[EvalTask],
+        episodes: int,
+        samples: int,
+        version: int = 0,
+        location: str | None = None,
+    ) -> dict[str, list[list[float]]]:
+        """The rewards of ``samples`` episodes of each held-out prompt 0..episodes-1 per task
+        (per prompt, per sample), under ``version``; sample 0 is the episode ``evaluate``
+        plays."""
         from rollcall.workers.episode.play import player
         from rollcall.workers.episode.trajectory import Limits
 
@@ -103,8 +118,8 @@ class Evaluator:
             wait_published(location)  # written in the background (collective transport)
             self.engine.load_weights(version, location)
 
-        def one(job: tuple[EvalTask, int]) -> tuple[str, float]:
-            task, i = job
+        def one(job: tuple[EvalTask, int, int]) -> float:
+            task, i, j = job
             plugin = registry.get(task.plugin)
             spec = plugin.Spec.model_validate(task.spec)
             limits = Limits(
@@ -112,7 +127,7 @@ class Evaluator:
                 max_tokens_per_turn=self.max_tokens_per_turn,
                 max_tokens=self.max_tokens,
                 temperature=self.temperature,
-                seed=episode_seed(self.seed, task.name, i),
+                seed=episode_seed(self.seed, task.name, i, j),
                 tool_arguments_bytes=self.input_limits.tool_arguments_bytes,
                 observation_bytes=self.input_limits.observation_bytes,
                 step_result_bytes=self.input_limits.step_result_bytes,
@@ -130,17 +145,20 @@ class Evaluator:
                     runner,
                     limits,
                 )
-                return task.name, loop.run().reward
+                return loop.run().reward
             except UserCodeError as e:  # the prompt's fault: it scores 0, the rest go on
                 log.warning("held-out episode %s of %s: %s (%s)", i, task.name, e, e.location)
-                return task.name, 0.0
+                return 0.0
             finally:
                 self._runners.put(runner)
 
-        jobs = [(t, i) for t in tasks for i in range(episodes)]
+        jobs = [(t, i, j) for t in tasks for i in range(episodes) for j in range(samples)]
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            results = list(pool.map(one, jobs))
-        return {t.name: [r for n, r in results if n == t.name] for t in tasks}
+            results = iter(list(pool.map(one, jobs)))
+        return {
+            t.name: [[next(results) for _ in range(samples)] for _ in range(episodes)]
+            for t in tasks
+        }
 
     def close(self) -> None:
         self.engine.close()

@@ -9,7 +9,7 @@ import typer
 
 from rollcall.orchestrator.cli.common import actor, console, options, print_json
 from rollcall.orchestrator.errors import UserError
-from rollcall.orchestrator.evalstats import gains
+from rollcall.orchestrator.evalstats import gains, pass_changes
 from rollcall.orchestrator.folders import replace_folder
 from rollcall.orchestrator.settings import rollcall_home
 
@@ -254,4 +254,7 @@ def summary_lines(result: RunResult) -> list[str]:
         lines.append(
             f"  {g.task[:12]:<12} {span:>14}  {gain:<24} {samples:>7} {result.wall_s:>5.0f}s"
         )
+    for task, changes in pass_changes(result.evals):  # several samples per held-out prompt
+        shown = [f"{name} {a:.2f}->{b:.2f}" for name, a, b in changes[:3]]
+        lines.append(f"  {task[:12]:<12} " + "  ".join(shown))
     return lines

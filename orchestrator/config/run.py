@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from rollcall.orchestrator import bounds as b
 from rollcall.orchestrator.config.base import Seconds, Steps, StrictModel, Temperature
@@ -21,6 +21,34 @@ class EvalConfig(StrictModel):
         default=32, description="held-out prompts per task (0: no evaluation at all)"
     )
     temperature: Temperature = Field(default=1.0, description="sampling temperature")
+    samples: Annotated[int, b.EVAL_SAMPLES.field()] = Field(
+        default=1,
+        description="samples per held-out prompt (n); above 1, pass@k and mean@n are reported",
+    )
+    pass_k: list[Annotated[int, b.EVAL_SAMPLES.field()]] | None = Field(
+        default=None,
+        description="the k of pass@k, each at most samples (unset: 1 and samples)",
+    )
+    pass_threshold: Annotated[float, b.REWARD.field()] = Field(
+        default=1.0, description="a sample passes when its reward is at least this"
+    )
+
+    @model_validator(mode="after")
+    def _pass_k(self) -> EvalConfig:
+        over = [k for k in self.pass_k or [] if k > self.samples]
+        if over:
+            raise ValueError(
+                f"run.eval.pass_k has k = {over[0]} above run.eval.samples ({self.samples}): "
+                "pass@k needs at least k samples of each held-out prompt"
+            )
+        return self
+
+    @property
+    def ks(self) -> list[int]:
+        """The k of pass@k reported (none with one sample per prompt)."""
+        if self.pass_k is not None:
+            return sorted(set(self.pass_k))
+        return [1, self.samples] if self.samples > 1 else []
 
 
 class MetricsConfig(StrictModel):

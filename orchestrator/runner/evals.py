@@ -9,9 +9,31 @@ from typing import Any
 
 from rich.console import Console
 
-from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.config import EvalConfig, RollcallConfig
+from rollcall.orchestrator.evalstats import pass_rates
 from rollcall.orchestrator.runner.progress import Snapshot
 from rollcall.orchestrator.runner.rundir import RunDir
+
+
+def eval_record(step: int, samples: dict[str, list[list[float]]], e: EvalConfig) -> dict[str, Any]:
+    """An evaluation's ``metrics.jsonl`` record: the mean per task, each held-out prompt's
+    reward (its samples' mean: the intervals and the paired gains are over prompts), and with
+    several samples per prompt, pass@k and mean@n per task and the samples themselves."""
+    rewards = {task: [sum(rs) / len(rs) for rs in prompts] for task, prompts in samples.items()}
+    record: dict[str, Any] = {
+        "kind": "eval",
+        "step": step,
+        "reward": {task: sum(rs) / len(rs) for task, rs in rewards.items() if rs},
+        "rewards": rewards,
+    }
+    if e.samples > 1:
+        record["pass"] = {
+            task: pass_rates(prompts, e.ks, e.pass_threshold)
+            for task, prompts in samples.items()
+            if prompts
+        }
+        record["samples"] = samples
+    return record
 
 
 class Evaluations:
@@ -58,7 +80,8 @@ class Evaluations:
         if self.evaluator is None:
             return
         tasks = [EvalTask(t.name, t.plugin, t.spec) for t in self.cfg.tasks]
-        ref = self.evaluator.evaluate.remote(tasks, self.cfg.run.eval.episodes, step, location)
+        e = self.cfg.run.eval
+        ref = self.evaluator.evaluate_samples.remote(tasks, e.episodes, e.samples, step, location)
         self.pending.append((step, ref))
 
     def collect(self, snap: Snapshot, *, block: bool) -> None:
@@ -71,7 +94,7 @@ class Evaluations:
                 keep.append((step, ref))
                 continue
             try:
-                reward = ray.get(ref)
+                samples = ray.get(ref)
             except ray.exceptions.RayError as e:
                 # evaluation is not the job: a lost evaluator (its machine died) is replaced,
                 # and this point of the learning curve is missing
@@ -84,10 +107,9 @@ class Evaluations:
                     ray.kill(self.evaluator)
                 self.start()
                 continue
-            # the mean per task, and each held-out episode's reward (for intervals and gains)
-            means = {task: sum(rs) / len(rs) for task, rs in reward.items() if rs}
-            self.run_dir.append({"kind": "eval", "step": step, "reward": means, "rewards": reward})
-            snap.heldout = means
+            record = eval_record(step, samples, self.cfg.run.eval)
+            self.run_dir.append(record)
+            snap.heldout = record["reward"]
         self.pending = keep
 
     def close(self) -> None:

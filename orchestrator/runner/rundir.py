@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import sys
 import threading
@@ -164,6 +165,24 @@ class RunDir:
                 key=lambda p: p[0],
             )
             (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=task)
+            # with several samples per prompt: the largest k's pass@k, dashed
+            passes = sorted(
+                (r["step"], r["pass"][task]) for r in evals if task in (r.get("pass") or {})
+            )
+            if passes:
+                name = max(
+                    (k for k in passes[-1][1] if k.startswith("pass@")),
+                    default=None,
+                    key=lambda k: int(k[5:]),
+                )
+                if name is not None:
+                    ax.plot(
+                        [p[0] for p in passes],
+                        [p[1].get(name, math.nan) for p in passes],
+                        linestyle="--",
+                        color=line.get_color(),
+                        label=f"{task} {name}",
+                    )
             # the 95% interval of each evaluation's mean, where the episodes' rewards are kept
             band = [(p[0], mean_interval(p[2])) for p in pts if p[2]]
             if band:

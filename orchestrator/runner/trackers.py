@@ -56,6 +56,8 @@ def scalars_of(record: dict[str, Any]) -> tuple[str, int, dict[str, float]] | No
             if rewards:
                 ci = mean_interval(rewards)
                 values[f"eval/{task}/low"], values[f"eval/{task}/high"] = ci.low, ci.high
+            for name, value in (record.get("pass") or {}).get(task, {}).items():
+                values[f"eval/{task}/{name}"] = float(value)  # pass@k, mean@n
         return ("eval", step, values) if values else None
     values = {
         f"train/{k}": float(v)

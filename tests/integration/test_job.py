@@ -19,7 +19,9 @@ from tests.integration.buffer_helpers import rows, scalar
 from tests.support import trackers as read_trackers
 
 
-def _config(tmp: Path, model: Path, **run: Any) -> RollcallConfig:
+def _config(
+    tmp: Path, model: Path, *, loss: dict[str, Any] | None = None, **run: Any
+) -> RollcallConfig:
     return RollcallConfig.model_validate(
         {
             "job": {"name": "e2e"},
@@ -32,7 +34,7 @@ def _config(tmp: Path, model: Path, **run: Any) -> RollcallConfig:
                 "max_tokens": 256,
                 "heartbeat_interval_s": 0.5,
             },
-            "trainer": {"lr": 1e-3, "micro_batch_tokens": 512},
+            "trainer": {"lr": 1e-3, "micro_batch_tokens": 512, "loss": loss or {}},
             "control_plane": {"seed_interval_s": 0.5, "staleness_interval_s": 1.0},
             "run": {"dir": str(tmp / "run"), "eval": {"every": 0, "episodes": 2}, **run},
             "tasks": [
@@ -178,11 +180,35 @@ def test_async_job_trains_publishes_and_keeps_every_trajectory(
 def test_sync_job_trains_only_on_policy_data(
     ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:
-    cfg = _config(tmp_path, tiny_dir, total_steps=2, mode="sync")
+    # with objectives other than GRPO's: GSPO's sequence ratio, RLOO's baseline, DAPO's shaping
+    loss = {
+        "policy_loss": {"kind": "gspo"},
+        "clip_low": 3e-4,
+        "clip_high": 4e-4,
+        "advantage": {"kind": "rloo"},
+        "aggregation": {"kind": "seq_mean_token_mean"},
+        "reward_shaping": {"kind": "overlong", "max_tokens": 32, "buffer_tokens": 16},
+    }
+    # and two samples of each held-out prompt: pass@1, pass@2 and mean@2 per task
+    evals = {"every": 0, "episodes": 2, "samples": 2}
+    cfg = _config(tmp_path, tiny_dir, loss=loss, total_steps=2, mode="sync", eval=evals)
     result = _run(cfg, db, tiny_dir, tmp_path)
     assert result.steps == 2
     _check_invariants(engine, 2, {"calc": 0, "guess": 0}, db)
     assert rows(engine, "SELECT DISTINCT max_staleness FROM tasks") == [(0,)]
+    records = [
+        json.loads(x) for x in (Path(result.run_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert len(steps) == 2 and all("overlong_penalty_mean" in r for r in steps)
+    assert all(r["loss"] == r["loss"] for r in steps)  # not NaN
+    evaluated = [r for r in records if r["kind"] == "eval"]
+    assert [r["step"] for r in evaluated] == [0, 2]
+    for r in evaluated:
+        assert set(r["pass"]) == {"calc", "guess"}
+        assert set(r["pass"]["calc"]) == {"pass@1", "pass@2", "mean@2"}
+        assert [len(s) for s in r["samples"]["calc"]] == [2, 2]
+        assert r["pass"]["calc"]["pass@1"] <= r["pass"]["calc"]["pass@2"]
 
 
 @pytest.mark.timeout(600)
@@ -195,7 +221,7 @@ def test_stopped_job_resumes_from_its_last_step(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     # with every tracker (offline): the resumed job continues the same runs
-    tracked = {
+    tracked: dict[str, Any] = {
         "trackers": ["tensorboard", "wandb", "mlflow"],
         "tracking": {"wandb_mode": "offline"},
     }
@@ -205,7 +231,10 @@ def test_stopped_job_resumes_from_its_last_step(
 
     with pytest.raises(ConflictError, match="--resume"):
         _run(_config(tmp_path, tiny_dir, total_steps=4), db, tiny_dir, tmp_path)
-    cfg = _config(tmp_path, tiny_dir, total_steps=4, **tracked)
+    # resumed with another objective (the loss is not part of the checkpoint): CISPO with
+    # REINFORCE++-baseline's advantages
+    loss = {"policy_loss": {"kind": "cispo"}, "advantage": {"kind": "reinforce_plus_plus_baseline"}}
+    cfg = _config(tmp_path, tiny_dir, loss=loss, total_steps=4, **tracked)
     second = _run(cfg, db, tiny_dir, tmp_path, resume=True)
     assert second.steps == 4
     run = Path(second.run_dir)
@@ -248,4 +277,12 @@ def test_run_refuses_bad_input_and_writes_nothing(
     assert r.code == 2 and "buffer.batch_groups: Input should be less than" in r.err, r.err
     r = cli("run", str(cfg), "trainer.sync_every=4", "--no-live")
     assert r.code == 2 and "buffer.batch_groups (8) cannot be filled" in r.err, r.err
+    # the objectives' and the evaluation's parameters (issue 45): one sentence each
+    r = cli("run", str(cfg), "run.eval.samples=2", "run.eval.pass_k=[1,4]", "--no-live")
+    assert r.code == 2 and "pass_k has k = 4 above run.eval.samples (2)" in r.err, r.err
+    shaping = "{kind: overlong, max_tokens: 64, buffer_tokens: 64}"
+    r = cli("run", str(cfg), f"trainer.loss.reward_shaping={shaping}", "--no-live")
+    assert r.code == 2 and "buffer_tokens (64) must be below" in r.err, r.err
+    r = cli("run", str(cfg), "trainer.loss.policy_loss={kind: sapo}", "--no-live")
+    assert r.code == 2 and "'ppo', 'gspo', 'cispo'" in r.err, r.err
     assert snapshot(db_url) == before

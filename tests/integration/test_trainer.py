@@ -110,18 +110,33 @@ def _seq_logp(model: Any, ids: list[int], prompt: int) -> float:
     return float(lp[prompt:].sum())
 
 
+# the loss kinds a step is tried with: the two corrections of PPO, and each new objective
+# (policy loss, advantage and shaping kinds paired so that three steps try all of them)
+STEP_LOSSES = {
+    "tis": {"correction": {"kind": "tis", "cap": 2.0}},
+    "none": {"correction": {"kind": "none"}},
+    "gspo+rloo": {"policy_loss": {"kind": "gspo"}, "advantage": {"kind": "rloo"}},
+    "cispo+reinforce_pp_baseline": {
+        "policy_loss": {"kind": "cispo"},
+        "advantage": {"kind": "reinforce_plus_plus_baseline"},
+    },
+    "reinforce_pp+overlong": {
+        "advantage": {"kind": "reinforce_plus_plus"},
+        "reward_shaping": {"kind": "overlong", "max_tokens": 8, "buffer_tokens": 4},
+    },
+}
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("correction", ["tis", "none"])
+@pytest.mark.parametrize("kinds", list(STEP_LOSSES))
 def test_a_step_moves_the_policy_towards_the_rewarded_sample(
-    ray_local: Any, tiny_dir: Path, tmp_path: Path, correction: str
+    ray_local: Any, tiny_dir: Path, tmp_path: Path, kinds: str
 ) -> None:
     """One group: the same prompt, four continuations, reward 1 for two of them. After a step,
     the rewarded continuations gained log-probability and the others gained clearly less (or
     lost), under the weights the trainer publishes (what the rollout nodes load)."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
-
-    from rollcall.orchestrator.algorithms import NoCorrection
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     model.eval()
@@ -146,11 +161,14 @@ def test_a_step_moves_the_policy_towards_the_rewarded_sample(
         )
         trajs.append(BatchTrajectory(i, payload, r))
     batch = Batch(1, 0, (BatchGroup(0, 1, "calc", {}, 0, tuple(trajs)),), {}, False, {})
-    loss = LossConfig(correction=TruncatedIS(cap=2.0) if correction == "tis" else NoCorrection())
+    loss = LossConfig.model_validate(STEP_LOSSES[kinds])
     config = TrainerConfig(ranks=1, lr=1e-3, loss=loss, micro_batch_tokens=64)
     group = TrainerGroup(config, str(tiny_dir), total_steps=1, seed=0)
     try:
-        group.train(plan_step(batch, loss, ranks=1, micro_batch_tokens=64))
+        plan = plan_step(batch, loss, ranks=1, micro_batch_tokens=64)
+        if "overlong" in kinds:  # 6 generated tokens, 2 into the buffer of 4: -0.5 each
+            assert plan.metrics["overlong_penalty_mean"] == -0.5
+        group.train(plan)
         published = Path(group.publish(str(tmp_path / "w"), 1))
     finally:
         group.shutdown()

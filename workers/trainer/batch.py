@@ -1,5 +1,5 @@
-"""From a claimed batch to the trainer ranks' work: advantages per group, per-token weights,
-and the plan of micro-batches per rank. Pure: plain values in, plain values out.
+"""From a claimed batch to the trainer ranks' work: shaped rewards, advantages per group,
+per-token weights, and the plan of micro-batches per rank. Pure: plain values in, plain values out.
 
 A step's batch may be split into ``mini_batches`` optimizer updates (PPO's mini-batches); each
 mini-batch's aggregation weights come from its own totals, so each update's loss is the mean
@@ -21,6 +21,7 @@ from rollcall.workers.trainer.grpo import (
     advantage_stats,
     batch_advantages,
     sequence_scale,
+    shape_rewards,
     staleness,
 )
 from rollcall.workers.trainer.packing import plan_micro_batches
@@ -67,8 +68,17 @@ def plan_step(
     """Advantages, weights and micro-batch plans for a claimed batch, with the batch metrics
     (per-task reward and advantage stats, degenerate groups, staleness)."""
     rewards = [[t.reward for t in g.trajectories] for g in batch.groups]
-    adv = batch_advantages(rewards, loss.advantage, filter_degenerate=loss.filter_degenerate_groups)
+    generated = [[int(t.payload.loss_mask.sum()) for t in g.trajectories] for g in batch.groups]
+    # the rewards trained on; the reward metrics below are the task's own
+    shaped, shaping_metrics = shape_rewards(loss.reward_shaping, rewards, generated)
+    adv = batch_advantages(
+        shaped,
+        loss.advantage,
+        filter_degenerate=loss.filter_degenerate_groups,
+        tokens=generated,
+    )
     metrics: dict[str, float] = {
+        **shaping_metrics,
         "groups": float(len(batch.groups)),
         "groups_degenerate": float(adv.degenerate),
         "groups_filtered": float(adv.filtered),

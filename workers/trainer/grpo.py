@@ -6,6 +6,10 @@ Tokens are laid out flat (``[N]``): the trainer packs several sequences into one
 per-token tensor here is aligned token by token with the packed row, and a token that is not
 trained (prompt, tool output, padding) has aggregation weight 0.
 
+The policy objective is PPO's token-level clip by default; GSPO replaces each token's ratio
+with its sequence's geometric-mean ratio (gradient through the token's own log-prob), CISPO
+uses the clipped ratio as a weight without gradient on -A log pi_theta (``policy_loss``).
+
 Off-policy terms. pi_behaviour generated the tokens (the rollout's log-probs); pi_old is the
 policy the PPO ratio is taken against (with a correction, the trainer's own log-probs at the
 start of the step: the proximal policy); pi_theta is the policy being trained. Per token:
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from rollcall.orchestrator.algorithms import (
+    BATCH_NORMALISED,
     AdvantageEstimator,
     Aggregation,
     ConstantNormaliser,
@@ -38,6 +43,12 @@ from rollcall.orchestrator.algorithms import (
     GRPOAdvantage,
     LossConfig,
     NoCorrection,
+    NoShaping,
+    OverlongShaping,
+    ReinforcePlusPlus,
+    ReinforcePlusPlusBaseline,
+    RewardShaping,
+    RLOOAdvantage,
     SeqMeanTokenMean,
     TokenMean,
     TruncatedIS,
@@ -66,10 +77,42 @@ def _dr_grpo(estimator: DrGRPOAdvantage, rewards: Sequence[float]) -> list[float
     return _centred(rewards)
 
 
+def _rloo(estimator: RLOOAdvantage, rewards: Sequence[float]) -> list[float]:
+    # r_i - sum_{j != i} r_j / (n - 1) = n / (n - 1) (r_i - mean)
+    n = len(rewards)
+    return [c * n / (n - 1) for c in _centred(rewards)]
+
+
 _ESTIMATORS: dict[str, Callable[[Any, Sequence[float]], list[float]]] = {
     "grpo": _grpo,
     "dr_grpo": _dr_grpo,
+    "rloo": _rloo,
 }
+
+
+def _whitened(
+    eps: float, values: Sequence[Sequence[float]], tokens: Sequence[Sequence[int]]
+) -> list[list[float]]:
+    """REINFORCE++'s global normalisation: every trained token carries its sample's value, and
+    the values are whitened over all trained tokens (token-weighted mean, variance with
+    Bessel's correction over the token count), as verl's ``masked_whiten``."""
+    n = sum(sum(t) for t in tokens)
+    if n <= 1:  # one trained token (or none): nothing to normalise against
+        return [[0.0] * len(v) for v in values]
+    pairs = [
+        (v, t) for vs, ts in zip(values, tokens, strict=True) for v, t in zip(vs, ts, strict=True)
+    ]
+    mean = sum(v * t for v, t in pairs) / n
+    var = sum(t * (v - mean) ** 2 for v, t in pairs) / (n - 1)
+    scale = 1.0 / math.sqrt(var + eps)
+    return [[(v - mean) * scale for v in vs] for vs in values]
+
+
+def _check_rewards(rewards: Sequence[float]) -> None:
+    if not rewards:
+        raise ValueError("a group has at least one sample")
+    if any(not math.isfinite(r) for r in rewards):
+        raise ValueError(f"rewards must be finite, got {list(rewards)}")
 
 
 def is_degenerate(rewards: Sequence[float]) -> bool:
@@ -78,11 +121,14 @@ def is_degenerate(rewards: Sequence[float]) -> bool:
 
 
 def group_advantages(rewards: Sequence[float], estimator: AdvantageEstimator) -> list[float]:
-    """Advantages of one group's samples. A degenerate group gets exact zeros, never NaN."""
-    if not rewards:
-        raise ValueError("a group has at least one sample")
-    if any(not math.isfinite(r) for r in rewards):
-        raise ValueError(f"rewards must be finite, got {list(rewards)}")
+    """Advantages of one group's samples, for the estimators with a group baseline. A
+    degenerate group gets exact zeros, never NaN."""
+    _check_rewards(rewards)
+    if estimator.kind in BATCH_NORMALISED:
+        raise ValueError(
+            f"the {estimator.kind} advantage is normalised over the whole step: "
+            "use batch_advantages"
+        )
     if is_degenerate(rewards):
         return [0.0] * len(rewards)
     return _ESTIMATORS[estimator.kind](estimator, rewards)
@@ -100,19 +146,60 @@ class GroupAdvantages:
 
 
 def batch_advantages(
-    groups: Sequence[Sequence[float]], estimator: AdvantageEstimator, *, filter_degenerate: bool
+    groups: Sequence[Sequence[float]],
+    estimator: AdvantageEstimator,
+    *,
+    filter_degenerate: bool,
+    tokens: Sequence[Sequence[int]] | None = None,
 ) -> GroupAdvantages:
-    advantages: list[list[float]] = []
-    kept: list[int] = []
-    degenerate = 0
-    for i, rewards in enumerate(groups):
-        if is_degenerate(rewards):
-            degenerate += 1
-            if filter_degenerate:
-                continue
-        advantages.append(group_advantages(rewards, estimator))
-        kept.append(i)
-    return GroupAdvantages(advantages, kept, degenerate, degenerate if filter_degenerate else 0)
+    """Advantages of a step's groups. ``tokens``: each sample's trained tokens, the weights of
+    the step-wide normalisation of REINFORCE++ (1 per sample when not given)."""
+    for rewards in groups:
+        _check_rewards(rewards)
+    degenerate = [is_degenerate(r) for r in groups]
+    kept = [i for i, d in enumerate(degenerate) if not (filter_degenerate and d)]
+    count = sum(degenerate)
+    filtered = count if filter_degenerate else 0
+    if estimator.kind not in BATCH_NORMALISED:
+        advantages = [group_advantages(groups[i], estimator) for i in kept]
+        return GroupAdvantages(advantages, kept, count, filtered)
+    assert isinstance(estimator, ReinforcePlusPlus | ReinforcePlusPlusBaseline)
+    values = [
+        _centred(groups[i]) if isinstance(estimator, ReinforcePlusPlusBaseline) else groups[i]
+        for i in kept
+    ]
+    weights = [tokens[i] if tokens is not None else [1] * len(groups[i]) for i in kept]
+    return GroupAdvantages(_whitened(estimator.eps, values, weights), kept, count, filtered)
+
+
+# --- reward shaping ---------------------------------------------------------------------------
+
+
+def overlong_penalty(shaping: OverlongShaping, generated: int) -> float:
+    """DAPO's soft overlong punishment of a trajectory of ``generated`` trained tokens:
+    min(0, -(L - (max - buffer)) / buffer x penalty), as verl's DAPO reward manager."""
+    exceed = generated - (shaping.max_tokens - shaping.buffer_tokens)
+    return min(-exceed / shaping.buffer_tokens * shaping.penalty, 0.0)
+
+
+def shape_rewards(
+    shaping: RewardShaping,
+    groups: Sequence[Sequence[float]],
+    tokens: Sequence[Sequence[int]],
+) -> tuple[list[list[float]], dict[str, float]]:
+    """The rewards trained on (per group, per sample) and the shaping's metrics."""
+    if isinstance(shaping, NoShaping):
+        return [list(g) for g in groups], {}
+    penalties = [[overlong_penalty(shaping, n) for n in ts] for ts in tokens]
+    flat = [p for ps in penalties for p in ps]
+    shaped = [
+        [r + p for r, p in zip(rs, ps, strict=True)]
+        for rs, ps in zip(groups, penalties, strict=True)
+    ]
+    return shaped, {
+        "overlong_frac": sum(1 for p in flat if p < 0) / max(1, len(flat)),
+        "overlong_penalty_mean": sum(flat) / max(1, len(flat)),
+    }
 
 
 def token_advantages(advantage: float, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -304,6 +391,22 @@ class LossOutput:
     stats: LossStats
 
 
+def _sequence_log_ratio(
+    log_ratio: torch.Tensor, trained: torch.Tensor, segments: torch.Tensor
+) -> torch.Tensor:
+    """Each token's sequence mean of ``log_ratio`` over the sequence's trained tokens, without
+    gradient (GSPO's log s_i).  # [N] -> [N]"""
+    import torch
+
+    count = int(segments.max()) + 1 if segments.numel() else 0
+    lr = torch.where(trained, log_ratio.detach(), torch.zeros_like(log_ratio))
+    sums = torch.zeros(count, dtype=lr.dtype, device=lr.device).index_add_(0, segments, lr)
+    ns = torch.zeros(count, dtype=lr.dtype, device=lr.device).index_add_(
+        0, segments, trained.to(lr.dtype)
+    )
+    return (sums / ns.clamp(min=1))[segments]
+
+
 def policy_loss(
     config: LossConfig,
     *,
@@ -314,15 +417,26 @@ def policy_loss(
     weights: torch.Tensor,  # [N] aggregation weights; 0 on tokens not trained
     ref_logp: torch.Tensor | None = None,  # [N] log pi_ref, required when kl.coef > 0
     entropy: torch.Tensor | None = None,  # [N] policy entropy per position
+    segments: torch.Tensor | None = None,  # [N] int64: which sequence each token belongs to
 ) -> LossOutput:
     import torch
 
     trained = weights != 0  # [N]
     old_logp = old_logp.detach()
     log_ratio = (logp - old_logp).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    ratio = log_ratio.exp()
     lo, hi = 1.0 - config.clip_low, 1.0 + config.clip_high
-    pg = -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
+    kind = config.policy_loss.kind
+    if kind == "gspo":
+        if segments is None:
+            raise ValueError("the gspo policy loss needs each token's sequence (segments)")
+        # s_i,t = sg[s_i] pi_theta / sg[pi_theta]: the sequence's ratio, each token's gradient
+        seq = _sequence_log_ratio(log_ratio, trained, segments)
+        log_ratio = (logp - logp.detach() + seq).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = log_ratio.exp()
+    if kind == "cispo":
+        pg = -ratio.clamp(lo, hi).detach() * advantages * logp
+    else:
+        pg = -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
     is_weight, raw_weight, capped = correction_weights(config.correction, old_logp, behaviour_logp)
     per_token = is_weight * pg
     kl = None
@@ -340,10 +454,14 @@ def policy_loss(
 
     with torch.no_grad():
         r = ratio.detach()
+        # PPO and GSPO clip a side only where it binds for the advantage's sign; CISPO's clip
+        # bounds the weight whatever the sign
+        low = (r < lo) if kind == "cispo" else (advantages < 0) & (r < lo)
+        high = (r > hi) if kind == "cispo" else (advantages > 0) & (r > hi)
         stats = LossStats(
             tokens=int(trained.sum()),
-            clipped_low=int((trained & (advantages < 0) & (r < lo)).sum()),
-            clipped_high=int((trained & (advantages > 0) & (r > hi)).sum()),
+            clipped_low=int((trained & low).sum()),
+            clipped_high=int((trained & high).sum()),
             is_weight_sum=float(raw_weight[trained].sum()),
             is_weight_max=float(raw_weight[trained].max()) if trained.any() else 0.0,
             is_log_weight_sum=float(raw_weight[trained].log().sum()),

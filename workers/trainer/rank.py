@@ -260,6 +260,7 @@ class TrainerRank:
                     weights=weights,
                     ref_logp=ref,
                     entropy=entropy,
+                    segments=self._segments(micro),
                 )
                 # Weights come from the mini-batch's totals over all ranks, so the rank losses
                 # add up to it; FSDP averages gradients over ranks, hence the factor.
@@ -308,6 +309,17 @@ class TrainerRank:
         import torch
 
         return torch.from_numpy(np.concatenate([np.asarray(get(s)) for s in micro])).to(self.device)
+
+    def _segments(self, micro: list[TrainSequence]) -> Any:
+        """Which sequence of the micro-batch each token belongs to.  # [N] int64"""
+        import torch
+
+        return torch.cat(
+            [
+                torch.full((len(s.token_ids),), i, dtype=torch.long, device=self.device)
+                for i, s in enumerate(micro)
+            ]
+        )
 
     def _per_token(self, micro: list[TrainSequence], get: Any) -> Any:
         import torch
