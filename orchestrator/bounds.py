@@ -139,6 +139,9 @@ CLIP_LOW = Range(0, 1, lo_open=True, hi_open=True)
 CLIP_HIGH = Range(0, 10, lo_open=True)
 IS_CAP = Range(1, 1e6)  # importance-weight caps
 EPS = Range(1e-12, 1)
+LORA_RANK = Range(1, 4_096)
+LORA_ALPHA = Range(1, 1_000_000)
+LORA_DROPOUT = Range(0, 1, hi_open=True)
 LOGPROB = Range(-100, 0)
 
 # -- CLI-only options -------------------------------------------------------------------------

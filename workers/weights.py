@@ -1,9 +1,11 @@
 """Versioned weights on a file system: the trainer publishes, rollout nodes load.
 
-Version v lives in ``ROOT/v{v:06d}/model.safetensors``. A version is written into a hidden
-temporary folder and renamed into place, so a reader sees a complete version or none. The last
-``keep`` versions stay (a node may still be loading one); older ones are removed. On one machine
-ROOT is a local folder; across Ray nodes it must be shared storage (NFS, a mounted bucket).
+Version v lives in ``ROOT/v{v:06d}/model.safetensors`` (with LoRA, the adapter alone:
+``adapter_model.safetensors`` and ``adapter_config.json``, ``rollcall.workers.lora``). A
+version is written into a hidden temporary folder and renamed into place, so a reader sees a
+complete version or none. The last ``keep`` versions stay (a node may still be loading one);
+older ones are removed. On one machine ROOT is a local folder; across Ray nodes it must be
+shared storage (NFS, a mounted bucket).
 
 Both sides move each byte once: ``publish`` hands safetensors the tensors' memory (it writes
 from their pointers), and ``load_into`` reads the file straight into the model's parameters
@@ -21,6 +23,13 @@ from pathlib import Path
 from typing import Any
 
 WEIGHTS_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"  # a LoRA version (``rollcall.workers.lora``)
+
+
+def weights_file(location: str | Path) -> Path:
+    """The file a published version's tensors are in: its adapter (LoRA) or its weights."""
+    adapter = Path(location) / ADAPTER_FILE
+    return adapter if adapter.is_file() else Path(location) / WEIGHTS_FILE
 
 
 def version_dir(root: Path, version: int) -> Path:
@@ -47,15 +56,48 @@ def publish(
     )
 
 
-def publish_with(write: Callable[[Path], None], root: Path, version: int, *, keep: int = 3) -> str:
-    """``publish`` for any writer: ``write(path)`` writes the weights file at ``path``."""
+def publish_adapter(
+    state: dict[str, Any],
+    lora: Any,
+    base_model: str,
+    root: Path,
+    version: int,
+    *,
+    keep: int = 3,
+    metadata: dict[str, str] | None = None,
+) -> str:
+    """A LoRA version: only the adapter (``state``: the adapter parameters by name) and its
+    peft config, in the version's folder."""
+    from rollcall.workers import lora as adapters
+
+    meta = {**(metadata or {}), "version": str(version)}
+    config = adapters.config_dict(lora, base_model)
+    return publish_with(
+        lambda path: adapters.write_adapter(state, path.parent, config, meta),
+        root,
+        version,
+        keep=keep,
+        file=ADAPTER_FILE,
+    )
+
+
+def publish_with(
+    write: Callable[[Path], None],
+    root: Path,
+    version: int,
+    *,
+    keep: int = 3,
+    file: str = WEIGHTS_FILE,
+) -> str:
+    """``publish`` for any writer: ``write(path)`` writes the version's ``file`` at ``path``
+    (and may write more files beside it)."""
     root.mkdir(parents=True, exist_ok=True)
     final = version_dir(root, version)
     tmp = root / f".v{version:06d}.{os.getpid()}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    write(tmp / WEIGHTS_FILE)
+    write(tmp / file)
     if final.exists():  # a replayed step republishes its version
         shutil.rmtree(final)
     tmp.rename(final)
@@ -68,9 +110,8 @@ def publish_with(write: Callable[[Path], None], root: Path, version: int, *, kee
 def wait_published(location: str | Path, timeout_s: float = 120.0) -> bool:
     """Wait until the version at ``location`` is in place (a file written in the background,
     collective transport); whether it is."""
-    path = Path(location) / WEIGHTS_FILE
     deadline = time.monotonic() + timeout_s
-    while not path.is_file():
+    while not weights_file(location).is_file():
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.1)
@@ -79,7 +120,7 @@ def wait_published(location: str | Path, timeout_s: float = 120.0) -> bool:
 
 def read_metadata(location: str | Path) -> dict[str, str]:
     """The string entries of a published version's header (``version``, ``updates``)."""
-    with (Path(location) / WEIGHTS_FILE).open("rb") as f:
+    with weights_file(location).open("rb") as f:
         size = int.from_bytes(f.read(8), "little")
         meta = json.loads(f.read(size)).get("__metadata__") or {}
     return {str(k): str(v) for k, v in meta.items()}

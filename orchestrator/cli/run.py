@@ -71,6 +71,7 @@ def run_job(
     home = rollcall_home(opts.home)
     model_dir = resolve_model(cfg, home, out)
     check_chat(cfg, model_dir)
+    check_lora(cfg, model_dir)
     db_url = cfg.database.url.get_secret_value() if cfg.database.url else None
     db = open_database(opts.database_url, db_url, home=opts.home, verify_schema=False)
     driver = None
@@ -199,6 +200,18 @@ def check_chat(cfg: RollcallConfig, model_dir: Path) -> None:
         )
     except ChatTemplateError as e:
         raise UserError(f"model {model_dir}: {e}") from None
+
+
+def check_lora(cfg: RollcallConfig, model_dir: Path) -> None:
+    """Refuse, before anything starts, LoRA target modules the model does not have."""
+    if cfg.trainer.lora is None:
+        return
+    from rollcall.workers.lora import check_targets
+
+    try:
+        check_targets(model_dir, cfg.trainer.lora.target_modules)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def report(result: RunResult, json_out: bool) -> None:

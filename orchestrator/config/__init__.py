@@ -60,6 +60,7 @@ from rollcall.orchestrator.config.run import (
 )
 from rollcall.orchestrator.config.tasks import JobSection, TaskConfig
 from rollcall.orchestrator.config.trainer import (
+    LoRAConfig,
     TimingTrainerConfig,
     TrainerConfig,
     WeightsConfig,
@@ -77,6 +78,7 @@ __all__ = [
     "HFEngineConfig",
     "InputLimitsConfig",
     "JobSection",
+    "LoRAConfig",
     "MetricsConfig",
     "ModelConfig",
     "RayAmount",

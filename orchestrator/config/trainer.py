@@ -65,6 +65,29 @@ class WeightsConfig(StrictModel):
     )
 
 
+# every linear layer of a Llama/Qwen2/Mistral decoder block
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRAConfig(StrictModel):
+    """LoRA (peft): the trainer trains low-rank adapters on ``target_modules`` with the base
+    weights frozen (optimizer state for the adapters only) and publishes only the adapter by
+    version; engines apply it to their base model (docs/algorithms.md#lora)."""
+
+    rank: Annotated[int, b.LORA_RANK.field()] = Field(description="the adapters' rank r")
+    alpha: Annotated[int, b.LORA_ALPHA.field()] = Field(
+        default=16, description="the adapters' scale is alpha / rank"
+    )
+    dropout: Annotated[float, b.LORA_DROPOUT.field()] = Field(
+        default=0.0, description="dropout on the adapters' input (training only)"
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        description="names of the linear modules that get adapters (each must exist in the model)",
+    )
+
+
 class TrainerConfig(StrictModel):
     """The FSDP2 trainer: ``ranks`` Ray actors, gloo on CPU, NCCL on CUDA. With
     ``timing_model`` set, the benchmark's timing model stands in for it instead."""
@@ -160,6 +183,9 @@ class TrainerConfig(StrictModel):
     timing_model: TimingTrainerConfig | None = Field(
         default=None, description="benchmarks only: a timing model instead of the FSDP2 ranks"
     )
+    lora: LoRAConfig | None = Field(
+        default=None, description="train LoRA adapters instead of every weight (unset: full)"
+    )
 
     @model_validator(mode="after")
     def _checkpoints_aligned_with_publications(self) -> TrainerConfig:
@@ -174,6 +200,14 @@ class TrainerConfig(StrictModel):
                 "trainer.weights.transport: collective needs real weights to broadcast; the "
                 "timing-model trainer publishes none: use files"
             )
+        if self.lora is not None and self.weights.transport == "collective":
+            raise ValueError(
+                "trainer.lora publishes each version's adapter as files (a few MB); the "
+                "collective transport broadcasts full weights only: set "
+                "trainer.weights.transport: files"
+            )
+        if self.lora is not None and self.timing_model is not None:
+            raise ValueError("trainer.lora needs the FSDP2 trainer, not the timing model")
         c, s = self.checkpoint_every, self.sync_every
         if c % s and s % c:
             raise ValueError(

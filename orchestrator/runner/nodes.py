@@ -46,6 +46,7 @@ def node_config(
         engine=r.engine,
         seed=cfg.run.seed * 1000 + index,
         threads=max(1, int(r.cpus_per_node)),
+        lora_rank=cfg.trainer.lora.rank if cfg.trainer.lora is not None else None,
         breaker_failures=r.breaker_failures,
         retry_backoff_s=cfg.buffer.retry_backoff_s,
         failing_task_window=r.failing_task_window,

@@ -77,7 +77,11 @@ class EngineHost:
     def start(self) -> None:
         config = self.config
         engine = make_engine(
-            config.engine, config.model_dir, seed=config.seed, threads=config.threads
+            config.engine,
+            config.model_dir,
+            seed=config.seed,
+            threads=config.threads,
+            lora_rank=config.lora_rank,
         )
         if config.engine_hook:  # fault injection (tests, drills): wraps the engine
             module, _, rest = config.engine_hook.partition(":")

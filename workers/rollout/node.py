@@ -89,6 +89,7 @@ class NodeConfig:
     engine: EngineConfig = field(default_factory=HFEngineConfig)
     seed: int = 0
     threads: int = 0  # torch threads of the engine (0: torch's default)
+    lora_rank: int | None = None  # the trainer publishes LoRA adapters of this rank
     # episodes failed in a row after which the node stops claiming, gives its leases back
     # (not counted) and ends, to be restarted: a broken node must not quarantine good inputs
     breaker_failures: int = 3

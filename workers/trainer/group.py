@@ -86,6 +86,7 @@ class TrainerGroup:
             logprob_chunk_tokens=config.logprob_chunk_tokens,
             precision=config.precision,
             activation_checkpointing=config.activation_checkpointing,
+            lora=config.lora,
             database_url=database_url,
             job_id=job_id,
             db_idle_tx_timeout_s=db_idle_tx_timeout_s,

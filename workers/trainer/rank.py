@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rollcall.orchestrator.algorithms import LossConfig
+from rollcall.orchestrator.config import LoRAConfig
 from rollcall.workers.trainer.batch import TrainSequence
 from rollcall.workers.trainer.grpo import LossStats, agreement_stats, needs_proximal, policy_loss
 
@@ -46,6 +47,7 @@ class RankSettings:
     logprob_chunk_tokens: int = 1024
     precision: str = "float32"  # "float32" | "bf16"
     activation_checkpointing: bool = False
+    lora: LoRAConfig | None = None  # train adapters only, publish adapters only
     database_url: str | None = None  # with job_id: the rank registers and heartbeats
     job_id: int | None = None
     heartbeat_interval_s: float = 2.0
@@ -142,6 +144,10 @@ class TrainerRank:
             # only this rank's shard stays), instead of the whole model on every rank's
             # device first.
             m: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            if train and s.lora is not None:  # adapters in place; the base frozen
+                from rollcall.workers.lora import inject
+
+                inject(m, s.lora)
             if train and s.activation_checkpointing:
                 m.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -157,9 +163,9 @@ class TrainerRank:
         if s.loss.kl.coef > 0:
             self.ref = sharded(s.model_dir, train=False)
             self.ref.eval()
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=s.lr, betas=s.betas, weight_decay=s.weight_decay
-        )
+        # with LoRA, optimizer state for the adapters only
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(trainable, lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt,
             lambda u: lr_factor(
@@ -175,6 +181,7 @@ class TrainerRank:
         return {
             "rank": self.rank,
             "parameters_local": params,
+            "trainable_local": sum(p.numel() for p in trainable),
             "pid": os.getpid(),
             "worker_id": self.worker_id,
         }
@@ -346,13 +353,40 @@ class TrainerRank:
             sd.pop("lm_head.weight", None)
         return {k: v.contiguous() for k, v in sd.items()}
 
+    def adapter_state_dict(self) -> dict[str, Any] | None:
+        """LoRA: the adapters' full tensors on CPU, by parameter name (collective: each one
+        gathered from the ranks' shards in the same order on every rank); rank 0 gets them,
+        the others None."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name] = full.detach().cpu()
+        return out if self.rank == 0 else None
+
     def publish(self, root: str, version: int, keep: int, background: bool = False) -> str | None:
         """Write version ``version``'s weights for the rollout nodes (collective). With
         ``background`` (the collective transport) rank 0 keeps the tensors for ``broadcast``
         and writes the file on a thread, off the step's critical path: the location returned
         holds the version once the write is done (readers see all of it or nothing)."""
-        from rollcall.workers.weights import publish, version_dir
+        from rollcall.workers.weights import publish, publish_adapter, version_dir
 
+        s = self.settings
+        if s.lora is not None:  # only the adapter (the collective transport is refused)
+            adapter = self.adapter_state_dict()
+            if adapter is None:
+                return None
+            dtype = self.publish_dtype()
+            return publish_adapter(
+                {k: v.to(dtype) for k, v in adapter.items()},
+                s.lora,
+                s.model_dir,
+                Path(root),
+                version,
+                keep=keep,
+                metadata={"updates": str(self.updates), "dtype": str(dtype).removeprefix("torch.")},
+            )
         sd = self.full_state_dict()
         if sd is None:
             return None
@@ -480,19 +514,26 @@ class TrainerRank:
             set_model_state_dict,
         )
 
+        from rollcall.workers.lora import is_adapter, read_adapter
         from rollcall.workers.weights import WEIGHTS_FILE, read_metadata
 
         recorded = read_metadata(location).get("updates")
         updates = int(recorded) if recorded is not None else updates
-        # a bf16 publication (``precision: bf16``) goes back into the float32 weights: the
-        # rounded values, not the float32 ones of a checkpoint
-        sd: dict[str, Any] = {
-            k: v.float() if v.is_floating_point() else v
-            for k, v in load_file(str(Path(location) / WEIGHTS_FILE)).items()
-        }
-        if self.tie and "lm_head.weight" not in sd:  # published without the tied copy
-            sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
-        set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True))
+        if is_adapter(location):  # LoRA: the adapters only; the base never moved
+            adapter = {k: v.float() for k, v in read_adapter(location).items()}
+            set_model_state_dict(
+                self.model, adapter, options=StateDictOptions(full_state_dict=True, strict=False)
+            )
+        else:
+            # a bf16 publication (``precision: bf16``) goes back into the float32 weights:
+            # the rounded values, not the float32 ones of a checkpoint
+            sd: dict[str, Any] = {
+                k: v.float() if v.is_floating_point() else v
+                for k, v in load_file(str(Path(location) / WEIGHTS_FILE)).items()
+            }
+            if self.tie and "lm_head.weight" not in sd:  # published without the tied copy
+                sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+            set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True))
         self.updates = updates
         self.sched.last_epoch = updates
         for group, base, factor in zip(
@@ -503,7 +544,8 @@ class TrainerRank:
         return updates
 
     def save_final(self, out: str) -> str | None:
-        """The policy as a plain transformers model with its tokenizer (collective)."""
+        """The policy as a plain transformers model with its tokenizer (collective); with
+        LoRA, merged, and the adapter in ``out/adapter``."""
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -511,6 +553,17 @@ class TrainerRank:
         sd = self.full_state_dict()
         if sd is None:
             return None
+        lora = self.settings.lora
+        if lora is not None:  # the adapter beside the merged model
+            from rollcall.workers import lora as adapters
+
+            (Path(out) / "adapter").mkdir(parents=True, exist_ok=True)
+            adapters.write_adapter(
+                {k: v for k, v in sd.items() if adapters.is_adapter_param(k)},
+                Path(out) / "adapter",
+                adapters.config_dict(lora, self.settings.model_dir),
+            )
+            sd = adapters.merged_state_dict(sd, lora.alpha / lora.rank)
         config = AutoConfig.from_pretrained(self.settings.model_dir)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         missing, unexpected = model.load_state_dict(sd, strict=False)

@@ -28,9 +28,16 @@ def preload(config: EngineConfig) -> None:
 
 
 def make_engine(
-    config: EngineConfig, model_dir: str | Path, *, seed: int = 0, threads: int = 0
+    config: EngineConfig,
+    model_dir: str | Path,
+    *,
+    seed: int = 0,
+    threads: int = 0,
+    lora_rank: int | None = None,
 ) -> Engine:
-    """The configured engine. ``threads`` > 0 caps torch's CPU threads (engines on torch)."""
+    """The configured engine. ``threads`` > 0 caps torch's CPU threads (engines on torch);
+    ``lora_rank``: the trainer publishes LoRA adapters of that rank (vLLM must know at start;
+    the ``hf`` engine takes them as they come)."""
     if isinstance(config, TimingEngineConfig):  # no torch: a benchmark's timing model
         from rollcall.workers.rollout.engines.timing import TimingEngine
 
@@ -52,5 +59,5 @@ def make_engine(
     if isinstance(config, VLLMEngineConfig):
         from rollcall.workers.rollout.engines.vllm import VLLMEngine
 
-        return VLLMEngine(model_dir, config, seed=seed)
+        return VLLMEngine(model_dir, config, seed=seed, lora_rank=lora_rank)
     raise TypeError(f"unknown engine config {config!r}")  # pragma: no cover

@@ -301,11 +301,15 @@ class HFEngine:
             self.kv.put(entry, supersedes=matches[i][0] if extends[i] else None)
 
     def load_weights(self, version: int, location: str) -> None:
+        from rollcall.workers import lora
         from rollcall.workers.weights import load_into
 
         with self._lock:
             try:
-                load_into(self.model, location)  # the file's bytes into the parameters
+                if lora.is_adapter(location):  # LoRA: the adapter onto the base weights
+                    lora.load_adapter(self.model, location, f"version {version}")
+                else:
+                    load_into(self.model, location)  # the file's bytes into the parameters
             except ValueError as e:
                 raise ValueError(f"weights of version {version} do not fit the model: {e}") from e
             self._version = version

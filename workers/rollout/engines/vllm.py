@@ -51,6 +51,10 @@ What it owns and guarantees:
   computed with the old weights) and only then does the version advance. A load that fails
   (corrupt or incomplete file) leaves the engine refusing to generate (``EngineFailure``, not
   fatal) until a later load succeeds: no token comes from half-loaded weights.
+- LoRA (``trainer.lora``): with ``lora_rank`` vLLM starts with ``enable_lora``; a published
+  version that holds an adapter (``adapter_model.safetensors``) loads as a ``LoRARequest`` of its
+  own (``add_lora``, its id the version), under the same gate, after the previous adapter is
+  removed (``remove_lora``); every generation then carries it. The base weights never change.
 - vLLM's own ``pause_generation``/``resume_generation`` is not used for loads: a request sent
   while the engine is paused would run after the resume, under the new weights, but this side
   could not tell which version it ran under without holding it back itself, which is what
@@ -185,6 +189,7 @@ class VLLMEngine:
         *,
         version: int = 0,
         seed: int = 0,
+        lora_rank: int | None = None,
     ) -> None:
         self.config = config = config or VLLMEngineConfig()
         if importlib.util.find_spec("vllm") is None:
@@ -204,7 +209,9 @@ class VLLMEngine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.eos_id = int(self.tokenizer.eos_token_id)
-        args = AsyncEngineArgs(**engine_kwargs(model_dir, config, seed))
+        args = AsyncEngineArgs(**engine_kwargs(model_dir, config, seed, lora_rank))
+        # LoRA (trainer.lora): each version is an adapter of its own; None: the base model
+        self._lora: Any = None
         self.processes: dict[str, Any] = {}  # set once started (rollcall_watch)
         self._idents: list[tuple[int, int]] = []  # (pid, start ticks) of those processes
         self._version = version
@@ -261,11 +268,15 @@ class VLLMEngine:
         )
 
     def load_weights(self, version: int, location: str) -> None:
-        path = Path(location) / WEIGHTS_FILE
+        from rollcall.workers.lora import ADAPTER_FILE
+
+        adapter = Path(location) / ADAPTER_FILE
+        path = adapter if adapter.is_file() else Path(location) / WEIGHTS_FILE
         if not path.is_file():  # pruned or never written: the node waits for the next version
             raise FileNotFoundError(f"no weights of version {version} at {path}")
+        load = self._load_adapter if path == adapter else self._load
         self._call(
-            self._load(version, location), self.config.load_timeout_s, f"loading version {version}"
+            load(version, location), self.config.load_timeout_s, f"loading version {version}"
         )
 
     def receive_weights(self, offer: Any, *, who: str = "", address: str = "127.0.0.1") -> None:
@@ -426,6 +437,7 @@ class VLLMEngine:
             prompt=TokensPrompt(prompt_token_ids=list(prompt_ids)),
             sampling_params=params,
             request_id=request_id,
+            lora_request=self._lora,
         ):
             final = out
         if final is None or not final.outputs:
@@ -443,6 +455,30 @@ class VLLMEngine:
                     f"{e}); the engine serves nothing until a later version loads"
                 )
                 raise
+            self._broken = None
+            self._version = version
+
+    async def _load_adapter(self, version: int, location: str) -> None:
+        """LoRA: version ``version``'s adapter becomes the one every generation uses (vLLM's
+        ``LoRARequest``, its id the version), the previous one unloaded. The base weights stay."""
+        from vllm.lora.request import LoRARequest
+
+        async with self._gate.exclusive():
+            request = LoRARequest(f"v{version}", max(1, version), str(location))
+            try:
+                if self._lora is not None:
+                    await self._engine.remove_lora(self._lora.lora_int_id)
+                    self._lora = None
+                if not await self._engine.add_lora(request):
+                    raise RuntimeError(f"vLLM did not load the adapter at {location}")
+                await self._reset_prefix_cache()
+            except BaseException as e:
+                self._broken = (
+                    f"loading the adapter of version {version} failed ({type(e).__name__}: "
+                    f"{e}); the engine serves nothing until a later version loads"
+                )
+                raise
+            self._lora = request
             self._broken = None
             self._version = version
 
@@ -486,8 +522,15 @@ class VLLMEngine:
             self._loop.close()
 
 
-def engine_kwargs(model_dir: str | Path, config: VLLMEngineConfig, seed: int) -> dict[str, Any]:
-    """vLLM's engine arguments for ``config``."""
+# the LoRA ranks vLLM serves (``vllm.config.lora.MaxLoRARanks``)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def engine_kwargs(
+    model_dir: str | Path, config: VLLMEngineConfig, seed: int, lora_rank: int | None = None
+) -> dict[str, Any]:
+    """vLLM's engine arguments for ``config``; with ``lora_rank``, LoRA adapters of up to that
+    rank are served (one at a time: every generation is under one version)."""
     kwargs: dict[str, Any] = {
         "model": str(model_dir),
         "seed": seed,
@@ -511,6 +554,13 @@ def engine_kwargs(model_dir: str | Path, config: VLLMEngineConfig, seed: int) ->
         # executor and ask Ray for more than the node's reserved slot.
         "distributed_executor_backend": "mp",
     }
+    if lora_rank is not None:
+        fits = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
+        if not fits:
+            raise EngineUnavailable(
+                f"trainer.lora.rank {lora_rank} is above the {VLLM_LORA_RANKS[-1]} vLLM serves"
+            )
+        kwargs.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
     for name in ("max_model_len", "max_num_seqs"):  # unset: vLLM's defaults
         if getattr(config, name) is not None:
             kwargs[name] = getattr(config, name)
