@@ -225,6 +225,21 @@ class KLPenalty(_Strict):
     )
 
 
+class DynamicSampling(_Strict):
+    """DAPO's dynamic sampling: a step whose claimed batch has fewer than
+    ``buffer.batch_groups`` groups whose trained (shaped) rewards differ keeps reserving finished
+    groups into the same step, as many as it lacks, up to ``max_claims`` extra claims; the groups
+    whose rewards are all equal are consumed without being trained (``groups_filtered``). At the
+    limit the step trains the groups with variance it has, and says which task produced none;
+    a step with none at all stops the job."""
+
+    max_claims: Annotated[int, b.EXTRA_CLAIMS.field()] = Field(
+        default=8,
+        description="extra claims a step makes at most while it lacks groups with different "
+        "rewards",
+    )
+
+
 class LossConfig(_Strict):
     """The GRPO loss of a train step."""
 
@@ -242,7 +257,13 @@ class LossConfig(_Strict):
     )
     filter_degenerate_groups: bool = Field(
         default=False,
-        description="drop groups whose rewards are all equal (dynamic sampling); counted",
+        description="drop groups whose rewards are all equal from the claimed batch; counted",
+    )
+    dynamic_sampling: DynamicSampling | None = Field(
+        default=None,
+        description="keep claiming finished groups into the step until buffer.batch_groups of "
+        "them have different rewards (DAPO's dynamic sampling; groups with equal rewards are "
+        "dropped, as filter_degenerate_groups); null: off",
     )
     clip_low: Annotated[float, b.CLIP_LOW.field()] = Field(
         default=0.2, description="the PPO ratio clip below 1 (1 - clip_low)"
@@ -263,3 +284,9 @@ class LossConfig(_Strict):
     temperature: Annotated[float, b.TEMPERATURE.field()] = Field(
         default=1.0, description="the rollout sampling temperature; log-probs use it too"
     )
+
+    @property
+    def filters_degenerate(self) -> bool:
+        """Groups whose rewards are all equal are dropped from the step (by the filter, or by
+        dynamic sampling, which implies it)."""
+        return self.filter_degenerate_groups or self.dynamic_sampling is not None

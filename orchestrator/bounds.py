@@ -88,6 +88,8 @@ BATCH_GROUPS = Range(1, 100_000)
 # the first seed queues that many episodes in one transaction, so it must stay modest.
 MAX_ADMITTED_GROUPS = 100_000
 ATTEMPTS = Range(1, 1_000)
+# Extra batch claims of one train step while it lacks groups with variance (dynamic sampling).
+EXTRA_CLAIMS = Range(1, 1_000)
 # Buckets of a weight broadcast (MB): 64 kB to 16 GB.
 BUCKET_MB = Range(0.0625, 16_384.0)
 # Steps whose consumed payloads retention keeps (0: dropped at the next pass).

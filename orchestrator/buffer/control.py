@@ -73,8 +73,23 @@ class ControlPlaneBuffer(BufferBase):
         added: dict[str, int] = {}
         with self.db.transaction() as tx:
             rows = tx.episodes.lock_seedable_tasks(self.job_id)
+            # Groups the step being trained holds but will not train (dynamic sampling judged
+            # their rewards all equal: ``TrainerBuffer.extend_batch``) are not outstanding work:
+            # the step waits for groups to replace them.
+            mix = tx.batches.job_state(self.job_id).pending_mix or {}
+            untrained = {
+                int(k): int(v.get("degenerate", 0)) for k, v in mix.items() if isinstance(v, dict)
+            }
             counts = seed_counts(
-                [SeedInput(r.task_id, r.weight, r.max_staleness, r.outstanding) for r in rows],
+                [
+                    SeedInput(
+                        r.task_id,
+                        r.weight,
+                        r.max_staleness,
+                        max(0, r.outstanding - untrained.get(r.task_id, 0)),
+                    )
+                    for r in rows
+                ],
                 self.config.batch_groups,
             )
             for r in rows:

@@ -2,22 +2,24 @@
 (``TrainerBuffer``).
 
 Batch claims (whole groups per task by weight, stale ones expired; a batch reserved for its
-step until it is committed, so a restarted trainer replays it), the read-ahead of finished
-groups off the trainer's critical path, step commits, and the return of an uncommitted
-batch's claims when the trainer died. Batch claims and step commits are fenced by the
-driver's epoch.
+step until it is committed, so a restarted trainer replays it), dynamic sampling's extra claims
+into a step's batch, the read-ahead of finished groups off the trainer's critical path, step
+commits, and the return of an uncommitted batch's claims when the trainer died. Batch claims,
+extra claims and step commits are fenced by the driver's epoch.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from rollcall.orchestrator.buffer.base import ACTOR, BufferBase
 from rollcall.orchestrator.buffer.timings import timed
-from rollcall.orchestrator.buffer.types import Batch
+from rollcall.orchestrator.buffer.types import DYNAMIC_CLAIMS, Batch
 from rollcall.orchestrator.config import BufferConfig
 from rollcall.orchestrator.db.engine import Database, Tx
 from rollcall.orchestrator.db.retry import retry_transient
@@ -132,6 +134,100 @@ class TrainerBuffer(BufferBase):
         return Batch(
             step, job.policy_version, tuple(groups), mix, False, expired_by_task, len(ahead)
         )
+
+    @timed
+    @retry_transient
+    def extend_batch(
+        self,
+        step: int,
+        wanted: int,
+        *,
+        have: Collection[int],
+        degenerate: Mapping[int, int],
+    ) -> Batch:
+        """Dynamic sampling's extra claim: reserve ``wanted`` more finished groups into the
+        batch already claimed for ``step``, split among the tasks by weight as a batch is (the
+        split's carry goes on from the step's), and count the claim in the step's task mix
+        (``Batch.dynamic_claims``): the reservation is the step's, so a restarted driver
+        replays all of it (``claim_batch``) and the commit consumes all of it. Nothing is
+        reserved unless ``wanted`` groups are available (the batch comes back empty, with its
+        shortfall); ``wanted`` 0 reserves nothing.
+
+        ``have``: the episode ids of the step's groups the caller holds; groups reserved for
+        the step that it lacks (an extra claim committed whose answer was lost) come back
+        instead of a new claim. ``degenerate``: per task id, how many of the step's groups the
+        trainer judged without variance (rewards all equal): recorded in the task mix, as they
+        are consumed without being trained, the task's admission does not count them
+        (``ControlPlaneBuffer.seed``), so rollout goes on for the groups the step lacks.
+        Returns the new groups only, with the step's whole task mix."""
+        with self.db.transaction() as tx:
+            return self._extend_batch(tx, step, wanted, set(have), degenerate)
+
+    def _extend_batch(
+        self, tx: Tx, step: int, wanted: int, have: set[int], degenerate: Mapping[int, int]
+    ) -> Batch:
+        tx.batches.lock_job_batches(self.job_id)
+        job = tx.batches.job_state(self.job_id)
+        self._check_driver(job.driver_epoch, f"reserve more groups for step {step}")
+        reserved = tx.batches.reserved_groups(self.job_id, step)
+        if step != job.policy_version or job.pending_step != step or not reserved:
+            raise ConflictError(
+                f"step {step} has no claimed batch to reserve more groups into (the job's "
+                f"policy version is {job.policy_version}); claim one with claim_batch"
+            )
+        version = job.policy_version
+        mix: dict[str, Any] = copy.deepcopy(job.pending_mix or {})
+        if lacking := [e for e in reserved if e not in have]:
+            ahead = self._take_prefetched(lacking)
+            groups = tx.batches.load_groups(lacking, ahead)
+            return Batch(step, version, tuple(groups), mix, False, {}, len(ahead))
+        changed = False
+        for key, entry in mix.items():
+            if isinstance(entry, dict) and entry.get("degenerate", 0) != (
+                n := int(degenerate.get(int(key), 0))
+            ):
+                entry["degenerate"] = n
+                changed = True
+        if wanted <= 0:
+            if changed:
+                tx.batches.set_pending(self.job_id, step, mix)
+            return Batch(step, version, (), mix, False, {})
+
+        tasks = tx.batches.trainable_tasks(self.job_id)
+        expired_by_task = self._expire(tx, version, tasks)
+        available = tx.batches.available_groups(self.job_id, version)
+        carry = {int(k): float(v.get("carry", 0.0)) for k, v in mix.items() if isinstance(v, dict)}
+        alloc = allocate_batch({t.id: t.weight for t in tasks}, available, carry, wanted)
+        entries = {}
+        for t in tasks:
+            entry = entries[t.id] = mix.setdefault(str(t.id), {"name": t.name, "groups": 0})
+            entry["available"] = available.get(t.id, 0)
+            entry["expired"] = entry.get("expired", 0) + expired_by_task.get(t.name, 0)
+        if (found := sum(alloc.groups.values())) < wanted:
+            if changed or expired_by_task:
+                tx.batches.set_pending(self.job_id, step, mix)
+            return Batch(step, version, (), mix, False, expired_by_task, shortfall=wanted - found)
+        by_id = {t.id: t for t in tasks}
+        ids = tx.batches.reserve_groups(
+            step,
+            version,
+            [(t, n, by_id[t].max_staleness) for t, n in sorted(alloc.groups.items()) if n > 0],
+        )
+        if not ids:  # taken by another transaction meanwhile (skipped locked): no claim
+            tx.batches.set_pending(self.job_id, step, mix)
+            return Batch(step, version, (), mix, False, expired_by_task, shortfall=wanted)
+        ahead = self._take_prefetched(ids)
+        groups = tx.batches.load_groups(ids, ahead)
+        added = Counter(g.task_id for g in groups)
+        for t in tasks:
+            entry = entries[t.id]
+            entry["groups"] = entry.get("groups", 0) + added[t.id]
+            entry["extra"] = entry.get("extra", 0) + added[t.id]
+            entry["carry"] = round(alloc.carry.get(t.id, 0.0), 6)
+        mix[DYNAMIC_CLAIMS] = int(mix.get(DYNAMIC_CLAIMS, 0)) + 1
+        tx.batches.mark_claimed(self.job_id, step)
+        tx.batches.set_pending(self.job_id, step, mix)
+        return Batch(step, version, tuple(groups), mix, False, expired_by_task, len(ahead))
 
     def _quarantine_nonfinite(self, tx: Tx, step: int) -> None:
         """Finished groups with a NaN or infinite reward (stored before rewards were checked

@@ -11,6 +11,10 @@ from typing import Any
 
 from rollcall.orchestrator.domain import BatchGroup, SampleState
 
+# Keys of a step's task mix (``jobs.pending_mix``, then ``train_steps.task_mix``) besides the
+# per-task entries (keyed by task id): the extra claims of dynamic sampling.
+DYNAMIC_CLAIMS = "dynamic_claims"
+
 
 @dataclass(frozen=True)
 class Lease:
@@ -64,6 +68,12 @@ class Batch:
     @property
     def num_trajectories(self) -> int:
         return sum(len(g.trajectories) for g in self.groups)
+
+    @property
+    def dynamic_claims(self) -> int:
+        """Extra claims of dynamic sampling that reserved groups into this step
+        (``TrainerBuffer.extend_batch``)."""
+        return int(self.task_mix.get(DYNAMIC_CLAIMS, 0))
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ from rollcall.orchestrator.runner import admission, raylog, raystart, scheduler
 from rollcall.orchestrator.runner.afterstep import StepBookkeeping
 from rollcall.orchestrator.runner.broadcast import Broadcaster
 from rollcall.orchestrator.runner.drift import IsWeightWatch
+from rollcall.orchestrator.runner.dynamic import DynamicSampler
 from rollcall.orchestrator.runner.evals import Evaluations
 from rollcall.orchestrator.runner.lifecycle import JobLifecycle
 from rollcall.orchestrator.runner.nodes import NodeReports, make_node, make_supervisor, node_config
@@ -421,6 +422,30 @@ class JobDriver:
             while pending and (wait or pending[0].done()):
                 pending.popleft().result()
 
+        def wait_for_groups(shortfall: int) -> None:
+            """Wait for rollout to finish up to ``shortfall`` groups (at most WAIT_POLL_S),
+            after checking that something can still finish them."""
+            nonlocal refreshed
+            stalls.check_nodes_left(self.supervisor, self.step)
+            stalls.check_tasks_left(self.step, self.user_errors)
+            if time.monotonic() - refreshed >= WAIT_POLL_S:
+                snap.waiting = stalls.waiting_for(self.supervisor)
+                books.refresh(snap, self.step, started, train_s, steps_this_run)
+                progress.update(snap)
+                refreshed = time.monotonic()
+            groups.wait(WAIT_POLL_S, count=shortfall)
+
+        sampler = (
+            DynamicSampler(
+                cfg.trainer.loss,
+                cfg.buffer.batch_groups,
+                self.trainer_buffer,
+                job=cfg.job.name,
+                say=progress.message,
+            )
+            if cfg.trainer.loss.dynamic_sampling is not None
+            else None
+        )
         try:
             if not self.run_dir.records("eval") or self.step == 0:
                 evals.evaluate(self.step, None)
@@ -432,15 +457,15 @@ class JobDriver:
                 )
                 start_after_step()
                 if not batch.groups:
-                    stalls.check_nodes_left(self.supervisor, self.step)
-                    stalls.check_tasks_left(self.step, self.user_errors)
-                    if time.monotonic() - refreshed >= WAIT_POLL_S:
-                        snap.waiting = stalls.waiting_for(self.supervisor)
-                        books.refresh(snap, self.step, started, train_s, steps_this_run)
-                        progress.update(snap)
-                        refreshed = time.monotonic()
-                    groups.wait(WAIT_POLL_S, count=batch.shortfall)
+                    wait_for_groups(batch.shortfall)
                     continue
+                if sampler is not None:  # dynamic sampling: groups with variance, or more
+                    filled = sampler.fill(
+                        batch, wait=wait_for_groups, stopped=self._stop_requested.is_set
+                    )
+                    if filled is None:  # stopped: the reservation is replayed by --resume
+                        break
+                    batch = filled
                 snap.waiting = ""
                 try:
                     record = train_step(

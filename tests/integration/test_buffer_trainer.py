@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from tests.integration.buffer_helpers import (
     episode_end_states,
     finish,
     make_buffer,
+    payload,
     rows,
     scalar,
 )
@@ -447,3 +449,78 @@ def test_group_without_a_generated_token_ends_quarantined(db: Database, engine: 
     assert check_invariants(db, 1).ok
     # the admission slots are free again: seeding tops the task up by the two groups
     assert buf.seed() == {"a": 2} and seeded >= 2
+
+
+# --- dynamic sampling's extra claims (TrainerBuffer.extend_batch) -----------------------------
+
+
+def rollout(buf: Buffers, worker: int, version: int, varied: Callable[[int], bool]) -> None:
+    """Seed, then play every claimable episode: sample k of a group is rewarded k % 2 when
+    ``varied(its prompt index)``, else 0 (rewards all equal)."""
+    buf.seed()
+    while (c := buf.claim(worker)) is not None:
+        for s in c.samples:
+            reward = float(s.sample_index % 2) if varied(c.prompt_index) else 0.0
+            buf.commit(c.lease, s.sample_index, payload(version, seed=s.sample_index), reward)
+
+
+def test_extra_claims_reserve_into_the_step_replay_with_it_and_are_fenced(
+    db: Database, engine: sa.Engine
+) -> None:
+    from rollcall.orchestrator.buffer.invariants import check_invariants
+
+    a = add_tasks(db, {"name": "a", "group_size": 2, "max_staleness": 1})["a"]
+    buf = make_buffer(db, batch_groups=2)
+    buf.driver_epoch = scalar(engine, "SELECT driver_epoch FROM jobs WHERE id = 1")
+    w = buf.register_worker("r0").id
+    rollout(buf, w, 0, lambda i: i % 2 == 1)  # admission: (1 + 1) x 2 = 4 groups
+    with pytest.raises(ConflictError, match="no claimed batch"):
+        buf.extend_batch(0, 1, have=[], degenerate={})
+    first = buf.claim_batch(0, min_groups=2)
+    held = [g.episode_id for g in first.groups]
+    assert first.dynamic_claims == 0
+    extra = buf.extend_batch(0, 1, have=held, degenerate={a: 1})
+    assert len(extra.groups) == 1 and extra.dynamic_claims == 1
+    entry = extra.task_mix[str(a)]
+    assert (entry["groups"], entry["extra"], entry["degenerate"]) == (3, 1, 1)
+    # reserved into the step: its samples claimed, the claim counted in the pending mix
+    held += [g.episode_id for g in extra.groups]
+    assert scalar(engine, "SELECT count(*) FROM episodes WHERE claimed_step = 0") == 3
+    assert scalar(engine, "SELECT count(*) FROM trajectories WHERE status = 'claimed'") == 6
+    # one finished group left: a claim of two reserves nothing and says what it lacks
+    short = buf.extend_batch(0, 2, have=held, degenerate={a: 1})
+    assert short.groups == () and short.shortfall == 1 and short.dynamic_claims == 1
+    # the driver dies: a restarted one replays the whole step, its extra claim included
+    buf.release_trainer_claims()
+    again = make_buffer(db, batch_groups=2).claim_batch(0, min_groups=2)
+    assert again.replayed and [g.episode_id for g in again.groups] == sorted(held)
+    assert again.dynamic_claims == 1 and again.task_mix[str(a)]["groups"] == 3
+    # an extra claim retried after its commit was lost gets the groups it lacks, no new claim
+    lost = buf.extend_batch(0, 1, have=held[:2], degenerate={})
+    assert [g.episode_id for g in lost.groups] == held[2:] and lost.dynamic_claims == 1
+    # another driver takes the job over: this one can no longer reserve into the step
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE jobs SET driver_epoch = driver_epoch + 1 WHERE id = 1"))
+    with pytest.raises(ConflictError, match="another driver"):
+        buf.extend_batch(0, 1, have=held, degenerate={})
+    assert scalar(engine, "SELECT count(*) FROM episodes WHERE claimed_step = 0") == 3
+    buf.driver_epoch += 1
+    commit = buf.commit_step(0)
+    assert (commit.groups, commit.trajectories) == (3, 6)
+    assert rows(engine, "SELECT task_mix FROM train_steps")[0][0]["dynamic_claims"] == 1
+    assert check_invariants(db, 1).ok
+
+
+def test_groups_a_step_will_not_train_do_not_hold_admission(db: Database) -> None:
+    """In sync mode (staleness 0) a task's admission is its share of one batch: the groups its
+    step holds without variance must not count, or rollout would never replace them."""
+    a = add_tasks(db, {"name": "a", "group_size": 2, "max_staleness": 0})["a"]
+    buf = make_buffer(db, batch_groups=2)
+    w = buf.register_worker("r0").id
+    rollout(buf, w, 0, lambda i: False)
+    batch = buf.claim_batch(0, min_groups=2)
+    assert buf.seed() == {}  # the step holds the task's whole admission
+    held = [g.episode_id for g in batch.groups]
+    short = buf.extend_batch(0, 2, have=held, degenerate={a: 2})
+    assert short.groups == () and short.shortfall == 2
+    assert buf.seed() == {"a": 2}

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from rollcall.orchestrator.algorithms import (
     CISPO,
     GSPO,
+    DynamicSampling,
     LossConfig,
     NoCorrection,
     NoShaping,
@@ -214,6 +215,46 @@ def test_overlong_penalty_grows_over_the_buffer() -> None:
     assert shape_rewards(NoShaping(), [[1.0]], [[500]]) == ([[1.0]], {})
 
 
+def test_dynamic_sampling_counts_variance_on_the_shaped_rewards() -> None:
+    """Dynamic sampling counts the groups whose trained rewards differ: shaped by each sample's
+    trained tokens, as ``plan_step`` trains them, not the task's own rewards."""
+    import numpy as np
+
+    from rollcall.orchestrator.buffer.types import Batch
+    from rollcall.orchestrator.domain import BatchGroup, BatchTrajectory, TrajectoryPayload
+    from rollcall.workers.trainer.batch import plan_step, with_variance
+
+    def group(i: int, *samples: tuple[float, int]) -> BatchGroup:
+        def traj(k: int, reward: float, trained: int) -> BatchTrajectory:
+            n = trained + 2  # two prompt tokens, then the trained ones
+            mask = np.ones(n, dtype=np.uint8)
+            mask[:2] = 0
+            payload = TrajectoryPayload.build(
+                np.arange(n), mask, np.full(n, -1.0, dtype=np.float32), turn_offsets=[2],
+                turn_versions=[0],
+            )  # fmt: skip
+            return BatchTrajectory(k, payload, reward)
+
+        return BatchGroup(i, 1, "t", {}, 0, tuple(traj(k, *s) for k, s in enumerate(samples)))
+
+    # max 100, buffer 20: 90 trained tokens cost 0.5, 80 or fewer nothing
+    shaping = OverlongShaping(max_tokens=100, buffer_tokens=20)
+    groups = [
+        group(0, (1.0, 10), (1.0, 90)),  # equal rewards, one too long: 1.0 and 0.5 differ
+        group(1, (1.0, 90), (0.5, 10)),  # different rewards, shaped to 0.5 and 0.5: equal
+        group(2, (1.0, 10), (0.0, 10)),  # different either way
+        group(3, (0.0, 20), (0.0, 30)),  # equal either way
+    ]
+    assert with_variance(groups, shaping) == [True, False, True, False]
+    assert with_variance(groups, NoShaping()) == [False, True, True, False]
+    # the step trains the groups it counts: the others are filtered, under dynamic sampling
+    loss = LossConfig(reward_shaping=shaping, dynamic_sampling=DynamicSampling(max_claims=2))
+    batch = Batch(0, 0, tuple(groups), {"dynamic_claims": 2}, False, {})
+    metrics = plan_step(batch, loss, ranks=1, micro_batch_tokens=512).metrics
+    assert (metrics["groups_degenerate"], metrics["groups_filtered"]) == (2, 2)
+    assert metrics["dynamic_claims"] == 2
+
+
 # --- configs ----------------------------------------------------------------------------------
 
 
@@ -228,6 +269,8 @@ def test_bad_objective_parameters_are_one_sentence() -> None:
         LossConfig.model_validate({"advantage": {"kind": "reinforce_plus_plus", "eps": 0}})
     with pytest.raises(ValidationError, match="rloo"):
         LossConfig.model_validate({"advantage": {"kind": "vine"}})
+    with pytest.raises(ValidationError, match="max_claims"):
+        LossConfig.model_validate({"dynamic_sampling": {"max_claims": 0}})
     with pytest.raises(ValidationError, match="penalty"):
         LossConfig.model_validate(
             {

@@ -9,17 +9,20 @@ mini-batch's aggregation weights come from its own totals, so each update's loss
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from rollcall.orchestrator.algorithms import LossConfig
+from rollcall.orchestrator.algorithms import LossConfig, RewardShaping
 from rollcall.orchestrator.buffer.types import Batch
+from rollcall.orchestrator.domain import BatchGroup
 from rollcall.workers.trainer.grpo import (
     StepTotals,
     advantage_stats,
     batch_advantages,
+    is_degenerate,
     sequence_scale,
     shape_rewards,
     staleness,
@@ -57,6 +60,24 @@ def _on_policy(policy_version: int, turn_versions: tuple[int, ...]) -> bool:
     return bool(turn_versions) and all(v == policy_version for v in turn_versions)
 
 
+def trained_rewards(
+    groups: Sequence[BatchGroup], shaping: RewardShaping
+) -> tuple[list[list[float]], list[list[int]], dict[str, float]]:
+    """Per group, per sample: the rewards trained on (shaped by each sample's trained token
+    count) and those counts, with the shaping's metrics."""
+    rewards = [[t.reward for t in g.trajectories] for g in groups]
+    generated = [[int(t.payload.loss_mask.sum()) for t in g.trajectories] for g in groups]
+    shaped, metrics = shape_rewards(shaping, rewards, generated)
+    return shaped, generated, metrics
+
+
+def with_variance(groups: Sequence[BatchGroup], shaping: RewardShaping) -> list[bool]:
+    """Per group, whether the rewards it would be trained on differ (the groups dynamic
+    sampling counts; the others are degenerate, as ``plan_step`` judges them)."""
+    shaped, _, _ = trained_rewards(groups, shaping)
+    return [not is_degenerate(r) for r in shaped]
+
+
 def plan_step(
     batch: Batch,
     loss: LossConfig,
@@ -68,13 +89,12 @@ def plan_step(
     """Advantages, weights and micro-batch plans for a claimed batch, with the batch metrics
     (per-task reward and advantage stats, degenerate groups, staleness)."""
     rewards = [[t.reward for t in g.trajectories] for g in batch.groups]
-    generated = [[int(t.payload.loss_mask.sum()) for t in g.trajectories] for g in batch.groups]
     # the rewards trained on; the reward metrics below are the task's own
-    shaped, shaping_metrics = shape_rewards(loss.reward_shaping, rewards, generated)
+    shaped, generated, shaping_metrics = trained_rewards(batch.groups, loss.reward_shaping)
     adv = batch_advantages(
         shaped,
         loss.advantage,
-        filter_degenerate=loss.filter_degenerate_groups,
+        filter_degenerate=loss.filters_degenerate,
         tokens=generated,
     )
     metrics: dict[str, float] = {
@@ -87,6 +107,8 @@ def plan_step(
             [t.payload.turn_versions for g in batch.groups for t in g.trajectories],
         ),
     }
+    if loss.dynamic_sampling is not None:  # extra claims the step made (dynamic sampling)
+        metrics["dynamic_claims"] = float(batch.dynamic_claims)
     by_task_rewards: dict[str, list[float]] = defaultdict(list)
     by_task_adv: dict[str, list[list[float]]] = defaultdict(list)
     for g, r in zip(batch.groups, rewards, strict=True):
