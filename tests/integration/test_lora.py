@@ -103,6 +103,47 @@ def test_lora_trains_and_publishes_only_the_adapter(
         torch.testing.assert_close(got[k], expected[k], rtol=0, atol=0)
 
 
+def assert_lora_run(run: Path, model_dir: Path) -> None:
+    """A finished LoRA job's run directory: every published version is an adapter alone, the
+    on-policy importance weight of every step after the first is 1 within 1e-3 (the nodes
+    generated with the adapter of the version they reported), the adapters moved the policy
+    far beyond that (a node serving the base model would have been seen), and the final policy
+    is the adapter plus the merged model."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    versions = sorted(p for p in (run / "weights").glob("v*") if p.is_dir())
+    assert versions
+    for v in versions:
+        assert sorted(p.name for p in v.iterdir()) == [
+            adapters.ADAPTER_CONFIG,
+            adapters.ADAPTER_FILE,
+        ]
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step" and r.get("onpolicy_tokens", 0) > 0]
+    later = [r for r in steps if r["step"] >= 1]
+    assert later, [r.get("onpolicy_tokens") for r in records if r["kind"] == "step"]
+    for r in later:
+        assert abs(r["is_weight_onpolicy_mean"] - 1.0) < 1e-3, r
+        assert abs(r["is_log_weight_onpolicy_mean"]) < 1e-3, r
+    # the final adapter moves log-probs by far more than that tolerance
+    ids = list(range(3, 40))
+    base = torch.log_softmax(_logits(AutoModelForCausalLM.from_pretrained(model_dir), ids), -1)
+    final = AutoModelForCausalLM.from_pretrained(run / "final").eval()
+    tuned = torch.log_softmax(_logits(final, ids), -1)
+    picked = torch.tensor(ids[1:])
+    shift = (tuned[:-1].gather(1, picked[:, None]) - base[:-1].gather(1, picked[:, None])).abs()
+    assert float(shift.mean()) > 1e-2, float(shift.mean())
+    adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model_dir), str(run / "final" / "adapter")
+    )
+    torch.testing.assert_close(
+        _logits(adapter.eval(), ids), _logits(final, ids), rtol=1e-4, atol=1e-4
+    )
+
+
 def test_lora_target_modules_the_model_lacks_are_one_sentence(tiny_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"\['qkv'\] are not linear layers of .*; it has"):
         adapters.check_targets(tiny_dir, ["q_proj", "qkv"])
