@@ -30,6 +30,11 @@ def main() -> None:
     rows = [{"question": p["question"], "answer": p["answer"]} for p in arithmetic]
     write(HERE / "arithmetic.jsonl", list({r["question"]: r for r in rows}.values()))
 
+    # sums of two numbers from 2 to 20, every pair once (configs/smollm2-lora.yaml)
+    pairs = [(a, b) for a in range(2, 21) for b in range(2, 21)]
+    rows = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs]
+    write(HERE / "sums" / "sums.jsonl", rows)
+
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,44 @@
+"""The sums agent of ``configs/smollm2-lora.yaml`` (``examples/sums/agent.py``): its reward on
+hand-picked replies, and its prompt file as ``examples/make_prompts.py`` writes it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _agent() -> object:
+    spec = importlib.util.spec_from_file_location("sums_agent", ROOT / "examples/sums/agent.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("reply", "reward"),
+    [
+        ("22", 1.0),
+        (" 22. ", 1.0),
+        ("14 + 8 = 22", 0.5),
+        ("The answer is 22.", 0.5),
+        ("22 is 14 + 8", 0.0),  # its last number is not the sum
+        ("twenty-two", 0.0),
+        ("", 0.0),
+        (None, 0.0),
+    ],
+)
+def test_the_reward_asks_for_the_number_alone(reply: str | None, reward: float) -> None:
+    assert _agent().score(reply, "22") == reward  # type: ignore[attr-defined]
+
+
+def test_the_prompts_are_every_pair_once() -> None:
+    rows = [json.loads(x) for x in (ROOT / "examples/sums/sums.jsonl").read_text().splitlines()]
+    assert len(rows) == 19 * 19 and len({r["question"] for r in rows}) == len(rows)
+    assert rows[0] == {"answer": "4", "question": "What is 2 + 2?"}
+    assert all(int(r["answer"]) == sum(map(int, r["question"][8:-1].split(" + "))) for r in rows)
