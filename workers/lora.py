@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rollcall.orchestrator.config import LoRAConfig
 
-ADAPTER_FILE = "adapter_model.safetensors"  # also ``rollcall.workers.weights.ADAPTER_FILE``
+ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_NAME = "default"  # the adapter's name inside the model (peft's default)
 FILE_PREFIX = "base_model.model."  # peft's saved keys: the PeftModel's path to the model

@@ -22,8 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rollcall.workers.lora import ADAPTER_FILE  # a LoRA version's file
+
 WEIGHTS_FILE = "model.safetensors"
-ADAPTER_FILE = "adapter_model.safetensors"  # a LoRA version (``rollcall.workers.lora``)
 
 
 def weights_file(location: str | Path) -> Path:

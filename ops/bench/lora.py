@@ -69,10 +69,8 @@ def _publish(model_dir: Path, lora: LoRAConfig | None, root: Path) -> tuple[Any,
     return model, location, optimizer_bytes
 
 
-def _hf_load_s(model_dir: Path, location: str, repeats: int = 3) -> float:
-    from rollcall.workers.rollout.engines.hf import HFEngine
-
-    engine = HFEngine(str(model_dir), seed=0)
+def _load_s(engine: Any, location: str, repeats: int = 3) -> float:
+    """The median time ``engine`` takes to load the version at ``location``."""
     times = []
     for v in range(1, repeats + 1):
         t0 = time.perf_counter()
@@ -81,9 +79,13 @@ def _hf_load_s(model_dir: Path, location: str, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def _vllm_load_s(
-    model_dir: Path, location: str, lora: LoRAConfig | None, repeats: int = 3
-) -> float:
+def _hf_load_s(model_dir: Path, location: str) -> float:
+    from rollcall.workers.rollout.engines.hf import HFEngine
+
+    return _load_s(HFEngine(str(model_dir), seed=0), location)
+
+
+def _vllm_load_s(model_dir: Path, location: str, lora: LoRAConfig | None) -> float:
     from rollcall.orchestrator.config import VLLMEngineConfig
     from rollcall.workers.rollout.engines.vllm import VLLMEngine
 
@@ -93,12 +95,7 @@ def _vllm_load_s(
         lora_rank=lora.rank if lora is not None else None,
     )
     try:
-        times = []
-        for v in range(1, repeats + 1):
-            t0 = time.perf_counter()
-            engine.load_weights(v, location)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return _load_s(engine, location)
     finally:
         engine.close()
 

@@ -51,10 +51,9 @@ What it owns and guarantees:
   computed with the old weights) and only then does the version advance. A load that fails
   (corrupt or incomplete file) leaves the engine refusing to generate (``EngineFailure``, not
   fatal) until a later load succeeds: no token comes from half-loaded weights.
-- LoRA (``trainer.lora``): with ``lora_rank`` vLLM starts with ``enable_lora``; a published
-  version that holds an adapter (``adapter_model.safetensors``) loads as a ``LoRARequest`` of its
-  own (``add_lora``, its id the version), under the same gate, after the previous adapter is
-  removed (``remove_lora``); every generation then carries it. The base weights never change.
+- LoRA (``trainer.lora``): with ``lora_rank`` vLLM starts with ``enable_lora``; a version that
+  is an adapter loads as a ``LoRARequest`` whose id is the version (``add_lora``, under the same
+  gate, the previous one removed); every generation carries it. The base weights never change.
 - vLLM's own ``pause_generation``/``resume_generation`` is not used for loads: a request sent
   while the engine is paused would run after the resume, under the new weights, but this side
   could not tell which version it ran under without holding it back itself, which is what
@@ -92,7 +91,7 @@ from rollcall.workers.episode.engine import (
     GenerationRequest,
     seeded,
 )
-from rollcall.workers.rollout.engines.vllm_worker import WEIGHTS_FILE, RollcallWorkerExtension
+from rollcall.workers.rollout.engines.vllm_worker import RollcallWorkerExtension
 
 RESET_ATTEMPTS = 20  # reset_prefix_cache returns False while blocks are still in use ...
 RESET_RETRY_S = 0.05  # ... which right after the last request finished is a matter of a step
@@ -268,13 +267,12 @@ class VLLMEngine:
         )
 
     def load_weights(self, version: int, location: str) -> None:
-        from rollcall.workers.lora import ADAPTER_FILE
+        from rollcall.workers.weights import ADAPTER_FILE, weights_file
 
-        adapter = Path(location) / ADAPTER_FILE
-        path = adapter if adapter.is_file() else Path(location) / WEIGHTS_FILE
+        path = weights_file(location)  # the adapter (LoRA) or the weights
         if not path.is_file():  # pruned or never written: the node waits for the next version
             raise FileNotFoundError(f"no weights of version {version} at {path}")
-        load = self._load_adapter if path == adapter else self._load
+        load = self._load_adapter if path.name == ADAPTER_FILE else self._load
         self._call(
             load(version, location), self.config.load_timeout_s, f"loading version {version}"
         )
