@@ -631,3 +631,31 @@ def test_removing_a_working_directory_never_changes_the_folder_it_is_in(tmp_path
     _remove(str(work))
     assert not work.exists()
     assert stat.S_IMODE(parent.stat().st_mode) == 0o1777
+
+
+def test_closing_a_runner_under_a_waiting_call_ends_that_call_as_a_crash() -> None:
+    """``close`` from another thread (the node ending a hung call) races the call's own
+    clean-up: each pipe is closed once, the call returns a crash and raises nothing. (Threads
+    switch often here to widen the race CI once met: a pipe closed twice, ``EBADF``.)"""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        _close_under_calls()
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def _close_under_calls() -> None:
+    for attempt in range(8):
+        marker = f"4{uuid.uuid4().int % 10**8}.5"
+        runner = ToolRunner(timeout_s=60.0, sandbox=ToolSandboxConfig())
+        calls = _in_thread(lambda: _call(runner, "hang", marker=marker))  # noqa: B023
+        try:
+            assert _wait_for(lambda: _processes_with(marker)), "its sleep never started"  # noqa: B023
+            runner.close()
+            calls.join(timeout=30)
+            assert not calls.is_alive(), f"attempt {attempt}: the call still waits"
+            assert calls.result is not None, f"attempt {attempt}: the call raised"
+            assert calls.result.error and "crashed" in calls.result.observation
+        finally:
+            runner.close()

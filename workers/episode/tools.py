@@ -332,6 +332,7 @@ class ToolRunner:
         self._conn: Connection | None = None
         self.restarts = 0
         self._turn = threading.Lock()
+        self._ending = threading.Lock()  # the process and pipe handed over once (``_kill``)
 
     @property
     def level(self) -> str:
@@ -354,12 +355,13 @@ class ToolRunner:
         return self._conn
 
     def _kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.join(timeout=5)
-        if self._conn is not None:
-            self._conn.close()
-        self._conn = None
+        with self._ending:  # ``close`` from another thread and a failing call both end here
+            proc, conn, self._conn = self._proc, self._conn, None
+            if proc is not None:
+                proc.kill()
+                proc.join(timeout=5)
+            if conn is not None:
+                conn.close()
 
     def call(
         self,
@@ -468,7 +470,18 @@ class ToolRunner:
         return f"the tool {name!r} crashed ({detail})" if detail else f"the tool {name!r} crashed"
 
     def close(self) -> None:
-        self._kill()
+        """Kill the server; a call waiting on it (another thread) then sees it crashed. The
+        pipe is closed by whoever holds the turn, so a waiting call never reads a closed one."""
+        with self._ending:
+            if self._proc is not None:
+                self._proc.kill()
+        if self._turn.acquire(timeout=10):
+            try:
+                self._kill()
+            finally:
+                self._turn.release()
+        else:
+            self._kill()
 
     def __enter__(self) -> ToolRunner:
         return self
