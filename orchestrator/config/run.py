@@ -113,6 +113,16 @@ class RunConfig(StrictModel):
     tracking: TrackingConfig = Field(
         default_factory=TrackingConfig, description="where the trackers write"
     )
+    log_max_mb: Annotated[int, b.LOG_MB.field()] = Field(
+        default=b.LOG_MB_DEFAULT,
+        description="driver.log rotates when it would grow past this many MB (driver.log.1 "
+        "is the one before)",
+    )
+    log_backups: Annotated[int, b.LOG_BACKUPS.field()] = Field(
+        default=b.LOG_BACKUPS_DEFAULT,
+        description="rotated driver.log files kept (driver.log.1 .. driver.log.N; older "
+        "ones are deleted)",
+    )
 
     @field_validator("trackers")
     @classmethod

@@ -153,7 +153,7 @@ class JobDriver:
         self.run_dir = RunDir(
             Path(cfg.run.dir) if cfg.run.dir else self.home / "runs" / cfg.job.name
         )
-        self._release_logs = self.run_dir.capture_logs()
+        self._release_logs = self._capture_logs()
         self._start_ray()
         with self.db.transaction() as tx:
             job = tx.jobs.get_by_name(cfg.job.name)
@@ -318,13 +318,18 @@ class JobDriver:
         assert self.evals is not None
         self.evals.start()
 
+    def _capture_logs(self) -> Callable[[], None]:
+        """driver.log, rotated at ``run.log_max_mb`` with ``run.log_backups`` kept."""
+        run = self.cfg.run
+        return self.run_dir.capture_logs(run.log_max_mb * 1_000_000, run.log_backups)
+
     def _start_scheduler(self) -> None:
         cp = self.cfg.control_plane
         control = self.control_buffer
         # What libraries log (APScheduler's missed runs, the retries of a database outage)
         # goes to the run directory's driver.log, not the user's terminal (set up by setup()).
         if self._release_logs is None:
-            self._release_logs = self.run_dir.capture_logs()
+            self._release_logs = self._capture_logs()
         s, self.missed_runs = scheduler.make_scheduler()
         # The control plane's calls (and the trainer buffer's beside them) see database
         # outages: each one becomes an event and a line once the database is back.

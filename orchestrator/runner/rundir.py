@@ -6,7 +6,8 @@ learning_curve.png   held-out reward per task against step, with 95% intervals a
 weights/vNNNNNN/     published policy versions (the last few)
 checkpoints/step-N/  trainer checkpoints (model, optimizer, scheduler, step)
 final/               the final policy, ``save_pretrained`` format with its tokenizer
-driver.log           the driver's log records (library warnings, retries, errors in detail)
+driver.log           the driver's log records (library warnings, retries, errors in detail),
+                     rotated by size: driver.log.1 .. driver.log.N are the older ones
 tensorboard/         TensorBoard event files (run.trackers; with the others: wandb/, mlflow.db,
                      mlflow-artifacts/, trackers.json)
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import math
 import shutil
 import sys
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
+from rollcall.orchestrator.bounds import LOG_BACKUPS_DEFAULT, LOG_MB_DEFAULT
 from rollcall.orchestrator.evalstats import mean_interval
 from rollcall.orchestrator.settings import mask_url
 
@@ -49,15 +52,27 @@ class RunDir:
         self.trackers: Trackers | None = None
         self._config: tuple[dict[str, Any], str] | None = None
 
-    def capture_logs(self) -> Callable[[], None]:
+    def capture_logs(
+        self,
+        max_bytes: int = LOG_MB_DEFAULT * 1_000_000,
+        backups: int = LOG_BACKUPS_DEFAULT,
+    ) -> Callable[[], None]:
         """Send this process's log records to ``driver.log`` instead of the terminal (where
         Python prints warnings when no handler is set up: APScheduler's missed runs, the
         retry layer's retries), and Python's warnings too (``warnings.warn``: a library's
         FutureWarning or DeprecationWarning, as ``logging.captureWarnings`` logs them, under
         ``py.warnings``); an error still shows on stderr as one line naming the log. Returns
-        the function that undoes it (warnings print as before again)."""
+        the function that undoes it (warnings print as before again).
+
+        The file rotates by size (``run.log_max_mb``, ``run.log_backups``): past
+        ``max_bytes`` it becomes ``driver.log.1`` (the older ones move up, the oldest beyond
+        ``backups`` is deleted) and a new ``driver.log`` starts, so a job of weeks keeps at
+        most ``(backups + 1) * max_bytes`` of log. A record is written after the rollover it
+        causes: an error's details are always in ``driver.log``, the file its line names."""
         root = logging.getLogger()
-        to_file = logging.FileHandler(self.log_path, encoding="utf-8", delay=True)
+        to_file = logging.handlers.RotatingFileHandler(
+            self.log_path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", delay=True
+        )
         to_file.setFormatter(
             logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s")
         )

@@ -1,0 +1,51 @@
+"""What grows over a long job has a bound (docs/fault-tolerance.md, "What is bounded over a long
+job"): the driver's log rotates by size, and the local Ray rotates its own logs."""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+from pathlib import Path
+
+import pytest
+
+from rollcall.orchestrator.runner.rundir import RunDir
+
+
+def test_driver_log_rotates_by_size_and_errors_name_the_current_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = RunDir(tmp_path)
+    release = run.capture_logs(max_bytes=10_000, backups=2)
+    log = logging.getLogger("rollcall.test.bounded")
+    try:
+        for i in range(2_000):  # about 200 kB of records: twenty times the file's bound
+            log.warning("record %05d %s", i, "x" * 40)
+        log.error("the last one")
+    finally:
+        release()
+    files = sorted(p.name for p in tmp_path.glob("driver.log*"))
+    assert files == ["driver.log", "driver.log.1", "driver.log.2"]  # two backups, no more
+    assert all(p.stat().st_size <= 10_000 for p in tmp_path.glob("driver.log*"))
+    # the error's line points at driver.log, and its record is there (not in a backup)
+    assert f"(details in {run.log_path})" in capsys.readouterr().err
+    assert "the last one" in run.log_path.read_text()
+    assert "record 01999" in run.log_path.read_text() + (tmp_path / "driver.log.1").read_text()
+
+
+def test_driver_log_is_bounded_by_default(tmp_path: Path) -> None:
+    from rollcall.orchestrator.config import RollcallConfig
+
+    run = RollcallConfig.model_validate({"job": {"name": "bounded"}}).run
+    assert (run.log_max_mb, run.log_backups) == (20, 5)  # 120 MB of driver.log at most
+    release = RunDir(tmp_path.resolve()).capture_logs()
+    try:
+        (handler,) = [
+            h
+            for h in logging.getLogger().handlers
+            if getattr(h, "baseFilename", None) == str(tmp_path.resolve() / "driver.log")
+        ]
+        assert isinstance(handler, logging.handlers.RotatingFileHandler)
+        assert (handler.maxBytes, handler.backupCount) == (20_000_000, 5)
+    finally:
+        release()
