@@ -13,6 +13,12 @@ from rollcall.orchestrator import rayauth
 from rollcall.orchestrator.config import RollcallConfig
 from rollcall.orchestrator.errors import UserError
 
+# A local Ray's own log files (raylet, GCS, each worker's output under
+# /tmp/ray/session_*/logs) rotate at this size with this many older files kept; Ray's default
+# is 512 MB and 5 per file. An operator's RAY_ROTATION_MAX_BYTES / RAY_ROTATION_BACKUP_COUNT win.
+RAY_LOG_ROTATE_BYTES = 50_000_000
+RAY_LOG_ROTATE_BACKUPS = 5
+
 
 def init_ray(cfg: RollcallConfig, home: Path, console: Console) -> bool:
     """Join ``ray.address``'s cluster, or start a new local Ray when none is set and this
@@ -46,6 +52,8 @@ def init_ray(cfg: RollcallConfig, home: Path, console: Console) -> bool:
         # on a busy machine the job's own actors would get next to no CPU, and heartbeats,
         # starts and steps would stall. The job is the machine's work: run them at 0.
         os.environ.setdefault("RAY_worker_niceness", "0")
+        os.environ.setdefault("RAY_ROTATION_MAX_BYTES", str(RAY_LOG_ROTATE_BYTES))
+        os.environ.setdefault("RAY_ROTATION_BACKUP_COUNT", str(RAY_LOG_ROTATE_BACKUPS))
         # log_to_driver=False: the actors' stdout and stderr stay in Ray's session logs
         # (/tmp/ray/session_*/logs); their errors reach the driver as exceptions of the
         # calls. The raylet's own error messages ("(raylet) A worker died ...") are printed

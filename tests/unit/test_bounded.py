@@ -3,9 +3,12 @@ job"): the driver's log rotates by size, and the local Ray rotates its own logs.
 
 from __future__ import annotations
 
+import io
 import logging
 import logging.handlers
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,3 +52,31 @@ def test_driver_log_is_bounded_by_default(tmp_path: Path) -> None:
         assert (handler.maxBytes, handler.backupCount) == (20_000_000, 5)
     finally:
         release()
+
+
+def test_a_local_ray_rotates_its_logs_at_a_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+    from rich.console import Console
+
+    from rollcall.orchestrator import rayauth
+    from rollcall.orchestrator.config import RollcallConfig
+    from rollcall.orchestrator.runner import raystart
+
+    seen: dict[str, Any] = {}
+    for name in ("RAY_ROTATION_MAX_BYTES", "RAY_ROTATION_BACKUP_COUNT", "RAY_worker_niceness"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(rayauth, "configure_local", lambda home: None)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(os.environ))
+    cfg = RollcallConfig.model_validate({"job": {"name": "bounded"}})
+    assert raystart.init_ray(cfg, tmp_path, Console(file=io.StringIO()))
+    # Ray reads these when it starts the local cluster (ray/_private/node.py)
+    assert seen["RAY_ROTATION_MAX_BYTES"] == "50000000"
+    assert seen["RAY_ROTATION_BACKUP_COUNT"] == "5"
+    # an operator's own choice stays
+    seen.clear()
+    monkeypatch.setenv("RAY_ROTATION_MAX_BYTES", "1000")
+    raystart.init_ray(cfg, tmp_path, Console(file=io.StringIO()))
+    assert seen["RAY_ROTATION_MAX_BYTES"] == "1000"
