@@ -94,6 +94,10 @@ EXTRA_CLAIMS = Range(1, 1_000)
 BUCKET_MB = Range(0.0625, 16_384.0)
 # Steps whose consumed payloads retention keeps (0: dropped at the next pass).
 RETENTION_STEPS = Range(0, 10_000_000)
+# A job's audit log (events): kept this long (at least the hour retention never touches, up
+# to ten years), and at most this many per job.
+EVENT_RETENTION_S = Range(3_600, 3_650 * 86_400)
+EVENT_RETENTION_COUNT = Range(1_000, 1_000_000_000)
 
 # -- durations (seconds) ----------------------------------------------------------------------
 SECONDS = Range(1e-3, WEEK_S)  # timeouts, intervals, windows, leases

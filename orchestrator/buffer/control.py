@@ -224,6 +224,17 @@ class ControlPlaneBuffer(BufferBase):
         self._retained_through = through
         return dropped
 
+    @timed
+    @retry_transient
+    def drop_old_events(self, keep_s: float | None, keep_count: int | None) -> int:
+        """Retention of the job's audit log (``control_plane.event_retention_s`` /
+        ``event_retention_count``): delete its events older than ``keep_s`` and beyond its
+        newest ``keep_count``, except those of the last hour and its newest of each kind
+        (``EventRepository.drop_old``), at most 10,000 per call. Returns the events
+        deleted."""
+        with self.db.transaction() as tx:
+            return tx.events.drop_old(self.job_id, keep_s, keep_count)
+
     # -- what the driver and its supervisor read and record ---------------------------------
 
     @timed

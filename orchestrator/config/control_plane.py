@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import Field
 
+from rollcall.orchestrator import bounds as b
 from rollcall.orchestrator.config.base import Seconds, StrictModel
 
 
@@ -41,5 +44,15 @@ class ControlPlaneConfig(StrictModel):
     retention_interval_s: Seconds = Field(
         default=30.0,
         description="seconds between retention passes (buffer.payload_retention_steps, "
-        "buffer.payload_retention_s)",
+        "buffer.payload_retention_s, event_retention_s, event_retention_count)",
+    )
+    event_retention_s: Annotated[float, b.EVENT_RETENTION_S.field()] | None = Field(
+        default=7 * 86_400.0,
+        description="the job's events (its audit log) older than this are deleted, except "
+        "its newest event of each kind; null: kept",
+    )
+    event_retention_count: Annotated[int, b.EVENT_RETENTION_COUNT.field()] | None = Field(
+        default=100_000,
+        description="the job's events beyond its newest this many are deleted too, except "
+        "those of the last hour and its newest event of each kind; null: no cap",
     )

@@ -318,6 +318,13 @@ class JobDriver:
         assert self.evals is not None
         self.evals.start()
 
+    def _retention(self) -> None:
+        """The retention pass: old payloads (``buffer.payload_retention_*``), then old events
+        (``control_plane.event_retention_*``)."""
+        cp, control = self.cfg.control_plane, self.control_buffer
+        control.drop_old_payloads()
+        control.drop_old_events(cp.event_retention_s, cp.event_retention_count)
+
     def _capture_logs(self) -> Callable[[], None]:
         """driver.log, rotated at ``run.log_max_mb`` with ``run.log_backups`` kept."""
         run = self.cfg.run
@@ -343,7 +350,7 @@ class JobDriver:
                 (control.expire_stale, cp.staleness_interval_s, "staleness-expiry"),
                 (self._sweep_dead, cp.dead_sweep_interval_s, "dead-worker-sweep"),
                 (self._supervise, cp.supervise_interval_s, "supervise"),
-                (control.drop_old_payloads, cp.retention_interval_s, "payload-retention"),
+                (self._retention, cp.retention_interval_s, "payload-retention"),
                 (self._report_user_errors, USER_ERRORS_INTERVAL_S, "user-errors"),
             ],
         )

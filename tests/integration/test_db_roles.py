@@ -45,7 +45,7 @@ REFUSED = [
     "DROP TABLE events",
     "DROP TABLE {partition}",
     "TRUNCATE events",
-    "DELETE FROM events",
+    "DELETE FROM train_steps",
 ]
 
 
@@ -135,6 +135,7 @@ def test_runtime_role_runs_a_job_s_database_work_and_is_refused_ddl(
         commit = buf.commit_step(0, checkpoint_uri="file:///c/0", metrics={"train_s": 0.1})
         assert commit.policy_version == 1
         assert buf.drop_old_payloads()[0] == batch.num_trajectories  # retention deletes
+        assert buf.drop_old_events(3_600.0, 1_000) == 0  # and may delete old events
         buf.expire_stale()
         buf.sweep_expired_leases()
         buf.sweep_dead_workers(10.0, 30.0)

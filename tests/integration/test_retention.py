@@ -125,3 +125,53 @@ def test_retention_drops_the_record_of_calls_with_the_tokens(
     assert n == 4 and nbytes > 4 * 8 * 9  # the tokens, and the record
     assert scalar(engine, "SELECT count(*) FROM agent_journal") == 0
     assert check_invariants(db, 1).ok
+
+
+def _add_events(engine: sa.Engine, kind: str, n: int, age_s: float, job: int | None = 1) -> None:
+    with engine.begin() as c:
+        c.execute(
+            sa.text(
+                "INSERT INTO events (job_id, kind, actor, message, created_at) "
+                "SELECT :j, :k, 'test', 'e' || i, now() - make_interval(secs => :age) "
+                "FROM generate_series(1, :n) i"
+            ),
+            {"j": job, "k": kind, "n": n, "age": age_s},
+        )
+
+
+def _events(engine: sa.Engine) -> dict[tuple[int | None, str], int]:
+    out = rows(engine, "SELECT job_id, kind, count(*) FROM events GROUP BY 1, 2")
+    return {(r[0], r[1]): r[2] for r in out}
+
+
+def test_old_events_are_dropped_but_not_the_last_hours_nor_the_newest_of_each_kind(
+    db: Database, engine: sa.Engine
+) -> None:
+    """``control_plane.event_retention_s`` / ``event_retention_count``: a job's audit log is
+    bounded by age and by count; the last hour's events and the newest of each kind stay."""
+    buf = make_buffer(db)
+    day = 86_400.0
+    before = _events(engine)
+    _add_events(engine, "worker.restarting", 500, 8 * day)  # a week and a day ago
+    _add_events(engine, "metrics.serving", 2, 8 * day)  # the driver started long ago
+    _add_events(engine, "worker.restarting", 300, 2 * 3600)  # two hours ago
+    _add_events(engine, "worker.dead", 1_500, 60)  # a storm in the last minute
+    _add_events(engine, "worker.restarting", 3, 8 * day, job=None)  # no job's: untouched
+
+    assert buf.drop_old_events(None, None) == 0  # retention off
+    # by age (a week): the 500 old restarts and the older metrics.serving go; the newer
+    # metrics.serving stays, the newest of its kind (where the driver's /metrics is)
+    assert buf.drop_old_events(7 * day, None) == 501
+    after = _events(engine)
+    assert after[(1, "worker.restarting")] == before.get((1, "worker.restarting"), 0) + 300
+    assert after[(1, "metrics.serving")] == before.get((1, "metrics.serving"), 0) + 1
+    # by count (the newest 1,000): everything older than the last hour goes but the newest
+    # of each kind; the 1,500 of the last minute stay although they are beyond 1,000 too
+    dropped = buf.drop_old_events(7 * day, 1_000)
+    after = _events(engine)
+    assert after[(1, "worker.dead")] == before.get((1, "worker.dead"), 0) + 1_500
+    assert after[(1, "worker.restarting")] == before.get((1, "worker.restarting"), 0) + 1
+    assert after[(1, "metrics.serving")] == 1
+    assert after[(None, "worker.restarting")] == before.get((None, "worker.restarting"), 0) + 3
+    assert dropped == 299  # the restarts of two hours ago but their newest
+    assert buf.drop_old_events(7 * day, 1_000) == 0  # nothing more to drop

@@ -80,3 +80,28 @@ def test_a_local_ray_rotates_its_logs_at_a_bound(
     monkeypatch.setenv("RAY_ROTATION_MAX_BYTES", "1000")
     raystart.init_ray(cfg, tmp_path, Console(file=io.StringIO()))
     assert seen["RAY_ROTATION_MAX_BYTES"] == "1000"
+
+
+def test_the_retention_pass_drops_old_events_with_the_configured_bounds(tmp_path: Path) -> None:
+    from rollcall.orchestrator.config import RollcallConfig
+    from rollcall.orchestrator.runner.driver import JobDriver
+
+    calls: list[tuple[Any, ...]] = []
+
+    class Control:
+        def drop_old_payloads(self) -> tuple[int, int]:
+            calls.append(("payloads",))
+            return 0, 0
+
+        def drop_old_events(self, keep_s: float | None, keep_count: int | None) -> int:
+            calls.append(("events", keep_s, keep_count))
+            return 0
+
+    cfg = RollcallConfig.model_validate(
+        {"job": {"name": "bounded"}, "control_plane": {"event_retention_count": None}}
+    )
+    assert cfg.control_plane.event_retention_s == 7 * 86_400  # a week by default
+    driver = JobDriver(cfg, None, model_dir=tmp_path, home=tmp_path, live=False)  # type: ignore[arg-type]
+    driver.control_buffer = Control()  # type: ignore[assignment]
+    driver._retention()
+    assert calls == [("payloads",), ("events", 7 * 86_400, None)]

@@ -79,6 +79,9 @@ class _Buffer:  # the control plane's calls, doing nothing
     def drop_old_payloads(self) -> tuple[int, int]:
         return 0, 0
 
+    def drop_old_events(self, *args: Any) -> int:
+        return 0
+
 
 def test_scheduler_jobs_coalesce_and_tolerate_a_busy_machine(tmp_path: Path) -> None:
     driver = JobDriver(
