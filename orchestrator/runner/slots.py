@@ -15,6 +15,9 @@ from rollcall.orchestrator.runner import raynodes
 # how a death is judged: the node's own (counted), its machine's (not counted), or unknown
 # until Ray says whether the machine is alive
 OWN, MACHINE, UNKNOWN = "own", "machine", "unknown"
+# what a failed start's event keeps of its error (``_evidence``): a tail, a few KB
+EVIDENCE_LINES = 40
+EVIDENCE_BYTES = 4096
 
 
 @dataclass
@@ -75,6 +78,17 @@ def _death_reason(e: BaseException) -> str:
         lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
         return f"constructor raised {lines[-1][:300]}" if lines else "constructor raised"
     return f"actor died ({type(e).__name__})"
+
+
+def _evidence(e: BaseException) -> list[str]:
+    """What a failed start leaves to explain it: the last lines of Ray's text of the error (the
+    traceback ending with the exception's message; a vLLM engine's message holds what vLLM's
+    processes wrote as it failed, ``workers/rollout/engines/startlog.py``), at most
+    ``EVIDENCE_LINES`` lines, ``EVIDENCE_BYTES`` in all."""
+    lines = [ln.rstrip() for ln in str(e).splitlines() if ln.strip()][-EVIDENCE_LINES:]
+    while lines and sum(len(ln) + 1 for ln in lines) > EVIDENCE_BYTES:
+        lines = lines[1:]
+    return lines
 
 
 def _judge_error(e: BaseException, slot: Slot | None = None) -> str:

@@ -57,6 +57,7 @@ from rollcall.orchestrator.runner.slots import (
     Slot,
     _death_reason,
     _declared_dead,
+    _evidence,
     _judge_error,
     _ray_node_alive,
 )
@@ -175,7 +176,8 @@ class Supervisor:
         if not slot.up:
             failed = self._starting(slot, row, now)
             if failed is not None:
-                self._down(slot, *failed)
+                reason, judged, evidence = failed
+                self._down(slot, reason, judged, start_evidence=evidence)
                 return
             if slot.up:
                 self._set(slot, "alive", None)
@@ -205,8 +207,9 @@ class Supervisor:
 
     def _starting(
         self, slot: Slot, row: dict[str, Any] | None, now: float
-    ) -> tuple[str, str] | None:
-        """A start in progress: None while it may go on, else (why it failed, its judgement)."""
+    ) -> tuple[str, str, list[str]] | None:
+        """A start in progress: None while it may go on, else (why it failed, its judgement,
+        the tail of its error: empty where no error came back)."""
         import ray
 
         ready, _ = ray.wait([slot.worker_ref], timeout=0)
@@ -214,7 +217,7 @@ class Supervisor:
             try:
                 slot.worker_id = int(ray.get(slot.worker_ref))
             except Exception as e:  # the constructor failed (a bad model path, an engine error)
-                return f"failed to start: {_death_reason(e)}", _judge_error(e, slot)
+                return f"failed to start: {_death_reason(e)}", _judge_error(e, slot), _evidence(e)
             slot.up = True
             return None
         if slot.worker_id is None:  # the process has not registered yet
@@ -223,19 +226,23 @@ class Supervisor:
                     f"did not start within {self.start_timeout_s:.0f} s (its process never "
                     "registered)",
                     UNKNOWN,
+                    [],
                 )
             return None
         status = row["status"] if row is not None and row["id"] == slot.worker_id else None
         if status in ("dead", "failed"):
-            return "declared dead while starting (its heartbeats stopped)", UNKNOWN
+            return "declared dead while starting (its heartbeats stopped)", UNKNOWN, []
         if now - slot.registered_at > self.engine_start_timeout_s:
-            return f"engine not up within {self.engine_start_timeout_s:.0f} s", OWN
+            return f"engine not up within {self.engine_start_timeout_s:.0f} s", OWN, []
         return None  # beating while its engine loads: starting, not dead
 
     # -- deaths and verdicts ------------------------------------------------------------------
 
-    def _down(self, slot: Slot, reason: str, judged: str) -> None:
-        """An incarnation ended: requeue its leases now, then judge the death."""
+    def _down(
+        self, slot: Slot, reason: str, judged: str, start_evidence: list[str] | None = None
+    ) -> None:
+        """An incarnation ended: requeue its leases now, then judge the death.
+        ``start_evidence``: it never started (a list, empty without an error to show)."""
         import ray
 
         node = slot.node_id
@@ -250,8 +257,11 @@ class Supervisor:
             self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD, counted=judged != MACHINE)
         with contextlib.suppress(Exception):  # already gone
             ray.kill(slot.actor, no_restart=True)
+        worker_id = slot.worker_id
         slot.actor = slot.run_ref = slot.worker_ref = None
         slot.up = False
+        if start_evidence is not None:
+            self._start_failed(slot, worker_id, reason, start_evidence)
         if judged == UNKNOWN:
             assert node is not None
             slot.verdict = {
@@ -270,6 +280,27 @@ class Supervisor:
             self._lost(slot, reason)
         else:
             self._counted(slot, reason)
+
+    def _start_failed(
+        self, slot: Slot, worker_id: int | None, reason: str, evidence: list[str]
+    ) -> None:
+        """A start that failed: a ``worker.start_failed`` event with the tail of its error
+        (for vLLM, the root cause its processes wrote), and the tail in driver.log. Best
+        effort: the restart goes on without it (its reason names the cause too)."""
+        try:
+            self.buffer.event(
+                "worker.start_failed",
+                f"{slot.name} failed to start ({reason})",
+                {"slot": slot.name, "worker_id": worker_id, "reason": reason,
+                 "evidence": evidence},
+            )  # fmt: skip
+        except Exception:
+            log.warning("could not record %s's failed start", slot.name, exc_info=True)
+        if evidence:
+            log.warning(
+                "%s failed to start (%s); the end of its error:\n%s",
+                slot.name, reason, "\n".join(evidence),
+            )  # fmt: skip
 
     def _judge(self, slot: Slot, now: float) -> None:
         """A slot awaiting Ray's word on its machine."""

@@ -33,6 +33,10 @@ What it owns and guarantees:
   ``failure()`` says so without blocking, for the node's heartbeat. The rollout node then
   gives its episodes back without counting an attempt and ends; the supervisor starts a new
   node.
+- A start that fails raises ``EngineStartError`` with its root cause: vLLM's frontend says
+  only "Engine core initialization failed. See root cause above"; the cause is in what the
+  EngineCore and its worker wrote to this process's standard output and error, read back
+  (``startlog``) and kept in the error, its last line naming it.
 - No orphans: right after start, a watchdog thread in vLLM's worker (``rollcall_watch``,
   through the worker extension) checks every half second that the EngineCore's parent is
   still this process; when this process is gone (a SIGKILLed Ray actor)
@@ -91,6 +95,7 @@ from rollcall.workers.episode.engine import (
     GenerationRequest,
     seeded,
 )
+from rollcall.workers.rollout.engines.startlog import OutputMark, start_error
 from rollcall.workers.rollout.engines.vllm_worker import RollcallWorkerExtension
 
 RESET_ATTEMPTS = 20  # reset_prefix_cache returns False while blocks are still in use ...
@@ -226,6 +231,7 @@ class VLLMEngine:
             target=self._loop.run_forever, name="vllm-engine-loop", daemon=True
         )
         self._thread.start()
+        mark = OutputMark()  # what vLLM's processes write from here: a failed start's cause
         try:
             self._engine, self._gate = self._call(
                 self._start(args), config.start_timeout_s, "starting vLLM"
@@ -248,9 +254,11 @@ class VLLMEngine:
                     i for pid in (core_pid, *self.processes["engine_workers"])
                     if (i := procfs.identity(pid)) is not None
                 ]  # fmt: skip
-        except BaseException:
+        except BaseException as e:
             self._stop_loop()
             kill_engine_processes()
+            if isinstance(e, Exception):  # its root cause is in what vLLM's processes wrote
+                raise start_error(e, mark) from e
             raise
 
     # -- the engine protocol --------------------------------------------------------------------
