@@ -45,6 +45,9 @@ PORT = 5432
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 START_ATTEMPTS = 3
+# postgres.log (the server's stderr: startups, checkpoints, errors) over this at a start is
+# moved to postgres.log.1, the one older file kept: a job of weeks keeps at most twice this
+LOG_MAX_BYTES = 10 << 20
 _SOCKET_PATH_MAX = 100  # sun_path is 108 bytes on Linux; keep a margin
 
 
@@ -106,8 +109,9 @@ class EmbeddedPostgres:
             self._ensure_database()
         return self.url()
 
-    def stop(self) -> bool:
-        """Stop the server (fast shutdown). Returns False when it was not running."""
+    def stop(self, mode: str = "fast") -> bool:
+        """Stop the server (``fast`` shutdown; ``immediate``: as a crash, recovered from the WAL
+        at the next start). Returns False when it was not running."""
         with self._locked():
             pid = self._postmaster_pid()
             if pid is None or not _alive(pid):
@@ -119,7 +123,7 @@ class EmbeddedPostgres:
                     "-D",
                     str(self.pgdata),
                     "-m",
-                    "fast",
+                    mode,
                     "-w",
                     "-t",
                     str(int(STOP_TIMEOUT_S)),
@@ -282,6 +286,7 @@ class EmbeddedPostgres:
                 f"embedded PostgreSQL (pid {pid}) is running but does not accept connections; "
                 f"see {self.log_path}, or stop it with `rollcall db stop`"
             )
+        self._rotate_log()
         options = f"-c listen_addresses='' -k {self.socket_dir} -p {PORT} -c max_connections=300"
         args = ["-D", str(self.pgdata), "-l", str(self.log_path), "-o", options, "-w",
                 "-t", str(int(START_TIMEOUT_S)), "start"]  # fmt: skip
@@ -299,6 +304,13 @@ class EmbeddedPostgres:
             raise DatabaseUnavailableError(
                 f"embedded PostgreSQL started but does not accept connections; see {self.log_path}"
             )
+
+    def _rotate_log(self) -> None:
+        """At a start (the server stopped): ``postgres.log`` over ``LOG_MAX_BYTES`` becomes
+        ``postgres.log.1``, replacing the older one."""
+        with contextlib.suppress(OSError):
+            if self.log_path.stat().st_size > LOG_MAX_BYTES:
+                self.log_path.replace(self.log_path.with_name(self.log_path.name + ".1"))
 
     def _wait_until_answers(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

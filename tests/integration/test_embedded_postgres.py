@@ -206,3 +206,29 @@ def test_run_migrates_a_fresh_embedded_database_but_not_an_external_one(
     with psycopg.connect(empty_db_url.replace("postgresql+psycopg", "postgresql")) as c:
         row = c.execute("SELECT count(*) FROM pg_tables WHERE schemaname = 'public'").fetchone()
         assert row == (0,)
+
+
+def test_its_log_is_rotated_at_a_start_once_over_its_bound(home: Path) -> None:
+    """``postgres.log`` (the server's stderr) grows over a job of weeks, a restart at a time:
+    a start finding it over ``LOG_MAX_BYTES`` moves it to ``postgres.log.1`` (one kept)."""
+    from rollcall.orchestrator.db import embedded
+
+    server = EmbeddedPostgres(home)
+    server.ensure_running()
+    server.stop()
+    old = server.log_path.read_bytes()
+    server.log_path.write_bytes(old + b"x" * embedded.LOG_MAX_BYTES)
+    server.ensure_running()
+    rotated = server.log_path.with_name("postgres.log.1")
+    assert rotated.stat().st_size > embedded.LOG_MAX_BYTES
+    assert server.log_path.stat().st_size < 100_000  # this start's lines only
+    _query(server)
+
+
+def test_an_immediate_stop_is_a_crash_it_recovers_from(home: Path) -> None:
+    server = EmbeddedPostgres(home)
+    server.ensure_running()
+    assert server.stop(mode="immediate") is True
+    server.ensure_running()
+    _query(server)
+    assert "not properly shut down" in server.log_path.read_text()

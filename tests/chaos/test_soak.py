@@ -1,0 +1,57 @@
+"""The soak's short form (``ops/soak.py --each-once --engine hf``): the soak's own job on a
+``ray start`` cluster of this machine, every fault kind it injects once, the driver's SIGKILL
+and ``rollcall run --resume`` included, a tool process killed mid-call, PostgreSQL crashed,
+a Ray machine lost; then the audit. The EngineCore's faults need vLLM and are in
+tests/vllm/test_vllm_job.py; the long soak with them is ``ops/soak.py --hours H``
+(docs/fault-tolerance.md)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import short_tmpdir
+
+pytestmark = pytest.mark.timeout(1500)
+
+ROOT = Path(__file__).resolve().parents[2]
+EXPECTED = {
+    "kill-rollout --signal KILL",
+    "kill-rollout --signal STOP",
+    "kill-node",
+    "kill-trainer",
+    "crash-db",
+    "kill-tool",
+    "kill-driver",
+}
+
+
+def test_every_fault_kind_once_loses_nothing_and_leaves_nothing() -> None:
+    home = short_tmpdir("soak")
+    try:
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "ops" / "soak.py"), "--hours", "1", "--each-once",
+             "--engine", "hf", "--home", str(home),
+             "--pause-s", "1", "--sample-s", "10", "--timeout", "240"],
+            capture_output=True, text=True, timeout=1400,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        report = json.loads((home / "report.json").read_text())
+        said = done.stdout[-3000:]
+        assert set(report["kinds"]) == EXPECTED, said
+        assert report["failed"] == [], said
+        assert report["lost"] == 0 and report["duplicated"] == 0, said
+        assert report["final_invariants_ok"], report["final_invariants"]
+        assert report["driver_ended"] and report["driver_rc"] == 0, said
+        assert report["drivers"] == 2 and report["driver_exits"] == [], said  # one resume
+        assert report["orphans_at_end"] == [], report["orphans_at_end"]
+        # the resources were sampled and plotted
+        assert (home / "soak.png").stat().st_size > 10_000
+        assert "driver.pss_mb" in report["slopes"], sorted(report["slopes"])
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
