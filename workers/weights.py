@@ -14,6 +14,7 @@ from their pointers), and ``load_into`` reads the file straight into the model's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ from typing import Any
 from rollcall.workers.lora import ADAPTER_FILE  # a LoRA version's file
 
 WEIGHTS_FILE = "model.safetensors"
+PIN_FILE = ".pinned"  # in a version's folder: pruning leaves the version alone (``pin``)
 
 
 def weights_file(location: str | Path) -> Path:
@@ -104,8 +106,26 @@ def publish_with(
     tmp.rename(final)
     versions = sorted(p for p in root.glob("v*") if p.is_dir())
     for old in versions[: max(0, len(versions) - keep)]:
-        shutil.rmtree(old, ignore_errors=True)
+        if not (old / PIN_FILE).exists():
+            shutil.rmtree(old, ignore_errors=True)
     return str(final)
+
+
+def pin(location: str | Path) -> None:
+    """Keep a published version past ``keep`` (an evaluation queued for it) until ``unpin``;
+    the first publication after that removes it if it is old."""
+    with contextlib.suppress(OSError):  # already pruned: the evaluation will say so
+        (Path(location) / PIN_FILE).touch()
+
+
+def unpin(location: str | Path) -> None:
+    (Path(location) / PIN_FILE).unlink(missing_ok=True)
+
+
+def unpin_all(root: Path) -> None:
+    """A driver's start: the pins of one that died are nobody's now."""
+    for p in root.glob(f"v*/{PIN_FILE}"):
+        p.unlink(missing_ok=True)
 
 
 def wait_published(location: str | Path, timeout_s: float = 120.0) -> bool:

@@ -13,6 +13,7 @@ from rollcall.orchestrator.config import EvalConfig, RollcallConfig
 from rollcall.orchestrator.evalstats import pass_rates
 from rollcall.orchestrator.runner.progress import Snapshot
 from rollcall.orchestrator.runner.rundir import RunDir
+from rollcall.workers.weights import pin, unpin, unpin_all
 
 
 def eval_record(step: int, samples: dict[str, list[list[float]]], e: EvalConfig) -> dict[str, Any]:
@@ -52,7 +53,9 @@ class Evaluations:
         self.chat_template = chat_template
         self.console = console
         self.evaluator: Any = None
-        self.pending: list[tuple[int, Any]] = []  # (step, the evaluation's result ref)
+        # (step, the evaluation's result ref, its version's folder, pinned till it ends)
+        self.pending: list[tuple[int, Any, str | None]] = []
+        unpin_all(run_dir.weights)  # pins of a driver that died are nobody's now
 
     def start(self) -> None:
         """The evaluator asks Ray for no resources (``num_cpus=0``), so it takes no reserved
@@ -81,18 +84,22 @@ class Evaluations:
             return
         tasks = [EvalTask(t.name, t.plugin, t.spec) for t in self.cfg.tasks]
         e = self.cfg.run.eval
+        if location is not None:  # kept past trainer.keep_weights while the evaluator lags
+            pin(location)
         ref = self.evaluator.evaluate_samples.remote(tasks, e.episodes, e.samples, step, location)
-        self.pending.append((step, ref))
+        self.pending.append((step, ref, location))
 
     def collect(self, snap: Snapshot, *, block: bool) -> None:
         import ray
 
         keep = []
-        for step, ref in self.pending:
+        for step, ref, location in self.pending:
             ready, _ = ray.wait([ref], timeout=None if block else 0)
             if not ready:
-                keep.append((step, ref))
+                keep.append((step, ref, location))
                 continue
+            if location is not None:
+                unpin(location)
             try:
                 samples = ray.get(ref)
             except ray.exceptions.RayError as e:
@@ -118,3 +125,7 @@ class Evaluations:
         if self.evaluator is not None:
             ray.kill(self.evaluator)
             self.evaluator = None
+        for _, _, location in self.pending:
+            if location is not None:
+                unpin(location)
+        self.pending = []

@@ -69,3 +69,26 @@ def test_a_file_that_does_not_fit_changes_nothing(tmp_path: Path) -> None:
     assert all(torch.equal(v, snapshot[k]) for k, v in m.state_dict().items())
     with pytest.raises(OSError):
         load_into(m, str(tmp_path / "v000009"))
+
+
+def test_a_version_pinned_for_an_evaluation_outlives_keep_until_unpinned(tmp_path: Path) -> None:
+    """An evaluation queued behind a slow evaluator reads its version after the trainer has
+    published ``keep`` newer ones: the driver pins it when it queues the evaluation, pruning
+    skips it, and the first publication after the unpin removes it."""
+    from rollcall.workers.weights import pin, unpin, unpin_all
+
+    sd = {"w": torch.zeros(2)}
+    first = publish(sd, tmp_path, 1, keep=2)
+    pin(first)
+    for v in range(2, 6):
+        publish(sd, tmp_path, v, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v000001", "v000004", "v000005"]
+    unpin(first)
+    publish(sd, tmp_path, 6, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v000005", "v000006"]
+    # a driver killed with pins held: the next one clears them
+    pin(publish(sd, tmp_path, 7, keep=2))
+    unpin_all(tmp_path)
+    publish(sd, tmp_path, 8, keep=2)
+    publish(sd, tmp_path, 9, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("v*")) == ["v000008", "v000009"]
