@@ -45,6 +45,7 @@ class Slot:
     # within moments where there is room)
     quiet_until: float = 0.0
     verdict: dict[str, Any] | None = None  # awaiting Ray: the death, the node, a probe, until
+    down: tuple[str, str] | None = None  # a death (reason, judgement) still to be judged
     drain_until: float = 0.0
     remove: bool = False  # scaled away: removed once drained
     history: list[dict[str, Any]] = field(default_factory=list)

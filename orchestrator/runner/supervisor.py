@@ -143,7 +143,9 @@ class Supervisor:
             if slot.state in ("failed", "removed"):
                 continue
             try:
-                if slot.state == "draining":
+                if slot.down is not None:  # a death not judged yet (its event failed)
+                    self._judge_down(slot)
+                elif slot.state == "draining":
                     self._drained(slot, now)
                 elif slot.state == "awaiting_ray":
                     self._judge(slot, now)
@@ -260,8 +262,19 @@ class Supervisor:
         worker_id = slot.worker_id
         slot.actor = slot.run_ref = slot.worker_ref = None
         slot.up = False
+        # judged below; should that fail (its event not written: the database away past the
+        # retries), the next pass judges it again instead of watching an actor that is gone
+        slot.down = (reason, judged)
         if start_evidence is not None:
             self._start_failed(slot, worker_id, reason, start_evidence)
+        self._judge_down(slot)
+
+    def _judge_down(self, slot: Slot) -> None:
+        """What follows a death (``slot.down``): wait for Ray's word on its machine, or
+        restart it, counted or not."""
+        assert slot.down is not None
+        reason, judged = slot.down
+        node = slot.node_id
         if judged == UNKNOWN:
             assert node is not None
             slot.verdict = {
@@ -275,11 +288,11 @@ class Supervisor:
                 f"{slot.name}: down ({reason}); waiting for Ray's word on its machine, "
                 f"{self._where(node)}, before restarting it"
             )
-            return
-        if judged == MACHINE:
+        elif judged == MACHINE:
             self._lost(slot, reason)
         else:
             self._counted(slot, reason)
+        slot.down = None
 
     def _start_failed(
         self, slot: Slot, worker_id: int | None, reason: str, evidence: list[str]
