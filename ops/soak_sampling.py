@@ -174,6 +174,11 @@ class Sampler:
             if w.get("pid") and w.get("host") == os.uname().nodename:
                 procs[str(w["name"])] = [int(w["pid"])]
         procs["postgres"] = _postgres_pids(self.home)
+        evaluator = [s.pid for s in procfs.processes()
+                     if procfs.cmdline(s.pid).startswith("ray::Evaluator")
+                     and _of_home(s.pid, self.home)]  # fmt: skip
+        if evaluator:
+            procs["evaluator"] = evaluator
         for name, pids in procs.items():
             figures = [f for p in pids if (f := process_figures(p)) is not None]
             for metric in ("pss_mb", "threads", "open_files"):
