@@ -3,7 +3,8 @@ resources sampled once a minute, and an audit at the end.
 
 The job (``job_config``): the soak's user agent (``ops/soak_agent.py``: an isolated and an
 async tool, an LLM-judge reward, one episode in three through the OpenAI-compatible endpoint)
-beside the built-in calculator task, two vLLM rollout nodes on the CPU, one trainer rank, the
+beside the built-in calculator task, two rollout nodes on the CPU (one vLLM, one hf; or both
+vLLM, or both hf: ``--engine``), one trainer rank, the
 embedded PostgreSQL, and a Ray cluster of this machine started with ``ray start`` (token
 authentication on): a head advertising ``{trainer: 1}`` and three worker nodes advertising
 ``{rollout: 1}``, one of them spare, so that a lost machine's rollout node has somewhere to go
@@ -116,7 +117,9 @@ def job_config(run_dir: Path, port: int, engine: str = "vllm") -> dict[str, Any]
             "max_tokens": 1024,
             "start_timeout_s": 300,
             "max_restarts": 40,
+            # mixed: rollout-0 runs vLLM, rollout-1 hf
             "engine": VLLM if engine == "vllm" else {"kind": "hf"},
+            "node_engines": [VLLM] if engine == "mixed" else [],
         },
         "trainer": {
             "ranks": 1,
@@ -400,7 +403,7 @@ class Soak:
         t_start = time.monotonic()
         end = t_start + a.hours * 3600
         kinds = {k: w for k, w in KINDS.items() if k not in a.without}
-        if a.engine != "vllm":
+        if a.engine == "hf":
             kinds = {k: w for k, w in kinds.items() if k not in ENGINE_KINDS}
         sequence = list(kinds) if a.each_once else None  # each kind once, in this order
         print(f"soak: job {JOB!r} training; faults for {a.hours:g} h from {sorted(kinds)}",
@@ -569,7 +572,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=None, help="the Ray head's (default: a free one)")
     ap.add_argument("--timeout", type=float, default=300.0, help="a fault's recovery wait")
     ap.add_argument("--sample-s", type=float, default=60.0)
-    ap.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
+    ap.add_argument("--engine", choices=("mixed", "vllm", "hf"), default="mixed",
+                    help="mixed: one vLLM node and one hf node")  # fmt: skip
     ap.add_argument("--each-once", action="store_true", help="each fault kind once, in order, "
                     "then the end (the short form CI runs)")  # fmt: skip
     ap.add_argument("--without", nargs="*", default=[], choices=sorted(KINDS))

@@ -232,6 +232,11 @@ class RolloutConfig(StrictModel):
         default_factory=HFEngineConfig,
         description="the inference engine, chosen by kind: hf, vllm or timing_model (benchmarks)",
     )
+    node_engines: list[EngineConfig] = Field(
+        default_factory=list,
+        description="a mixed fleet: the engines of the first nodes, in order (node i runs "
+        "node_engines[i]); the other nodes run rollout.engine",
+    )
     max_tokens_per_turn: Annotated[int, b.tokens(1).field()] = Field(
         default=64, description="tokens generated per assistant turn at most"
     )
@@ -325,20 +330,32 @@ class RolloutConfig(StrictModel):
         description="most bytes of each untrusted input (docs/security.md)",
     )
 
+    def engine_of(self, index: int) -> EngineConfig:
+        """The engine of rollout node ``index`` (``node_engines``, else ``engine``)."""
+        return self.node_engines[index] if index < len(self.node_engines) else self.engine
+
     @model_validator(mode="after")
     def _vllm_fits(self) -> RolloutConfig:
-        e = self.engine
-        if not isinstance(e, VLLMEngineConfig):
-            return self
-        if e.device == "cuda" and self.gpus_per_node < e.tensor_parallel_size:
+        named = [("rollout.engine", self.engine)] + [
+            (f"rollout.node_engines[{i}]", e) for i, e in enumerate(self.node_engines)
+        ]
+        for key, e in named:
+            if not isinstance(e, VLLMEngineConfig):
+                continue
+            if e.device == "cuda" and self.gpus_per_node < e.tensor_parallel_size:
+                raise ValueError(
+                    f"rollout.gpus_per_node ({self.gpus_per_node:g}) must be at least "
+                    f"{key}.tensor_parallel_size ({e.tensor_parallel_size}): each node's "
+                    "vLLM engine runs on the GPUs Ray gives the node (device cpu needs none)"
+                )
+            if e.max_model_len is not None and e.max_model_len < self.max_tokens:
+                raise ValueError(
+                    f"{key}.max_model_len ({e.max_model_len}) must be at least "
+                    f"rollout.max_tokens ({self.max_tokens}): a whole trajectory is one context"
+                )
+        if len(self.node_engines) > self.nodes:
             raise ValueError(
-                f"rollout.gpus_per_node ({self.gpus_per_node:g}) must be at least "
-                f"rollout.engine.tensor_parallel_size ({e.tensor_parallel_size}): each node's "
-                "vLLM engine runs on the GPUs Ray gives the node (device cpu needs none)"
-            )
-        if e.max_model_len is not None and e.max_model_len < self.max_tokens:
-            raise ValueError(
-                f"rollout.engine.max_model_len ({e.max_model_len}) must be at least "
-                f"rollout.max_tokens ({self.max_tokens}): a whole trajectory is one context"
+                f"rollout.node_engines names {len(self.node_engines)} engines for "
+                f"{self.nodes} rollout nodes"
             )
         return self

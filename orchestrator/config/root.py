@@ -48,12 +48,14 @@ class RollcallConfig(StrictModel):
 
     @model_validator(mode="after")
     def _broadcast_fits(self) -> RollcallConfig:
-        e, w = self.rollout.engine, self.trainer.weights
-        if (
-            w.transport == "collective"
-            and isinstance(e, VLLMEngineConfig)
-            and e.tensor_parallel_size != 1
-        ):
+        w = self.trainer.weights
+        wide = [
+            e
+            for e in (self.rollout.engine, *self.rollout.node_engines)
+            if isinstance(e, VLLMEngineConfig) and e.tensor_parallel_size != 1
+        ]
+        if w.transport == "collective" and wide:
+            e = wide[0]
             raise ValueError(
                 "trainer.weights.transport: collective broadcasts to one vLLM worker per node; "
                 f"rollout.engine.tensor_parallel_size is {e.tensor_parallel_size}: use files"

@@ -43,7 +43,7 @@ def node_config(
             max_tokens=r.max_tokens,
             temperature=r.temperature,
         ),
-        engine=r.engine,
+        engine=r.engine_of(index),
         seed=cfg.run.seed * 1000 + index,
         threads=max(1, int(r.cpus_per_node)),
         lora_rank=cfg.trainer.lora.rank if cfg.trainer.lora is not None else None,

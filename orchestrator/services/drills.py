@@ -190,10 +190,22 @@ class Drills:
             raise ConflictError(
                 f"job {self.job.name!r} has {len(live)} live rollout nodes; cannot kill {count}"
             )
+        cores: dict[int, int] = {}
+        if engine:  # in a mixed fleet (rollout.node_engines), the nodes that run vLLM
+            for w in live:
+                with contextlib.suppress(UserError):
+                    cores[w["id"]] = self._engine_core(w)
+            if not cores:  # none: say why, for the first
+                self._engine_core(live[0])
+            live = [w for w in live if w["id"] in cores]
+            if len(live) < count:
+                raise ConflictError(
+                    f"job {self.job.name!r} has {len(live)} live vLLM nodes; cannot kill {count}"
+                )
         # the busiest nodes first: the drill is about work in flight
         targets = sorted(live, key=lambda w: -w["tokens_generated"])[:count]
         # what gets the signal: the node's process, or its engine's EngineCore process
-        victims = {w["id"]: self._engine_core(w) if engine else int(w["pid"]) for w in targets}
+        victims = {w["id"]: cores[w["id"]] if engine else int(w["pid"]) for w in targets}
         # which processes they are: a stopped one is killed at the end only if it is still the
         # one stopped (the supervisor kills a hung node, and its pid may be another's by then)
         idents = {wid: procfs.identity(pid) for wid, pid in victims.items()}

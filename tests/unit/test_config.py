@@ -135,6 +135,29 @@ def test_a_vllm_engine_needs_its_gpus_and_a_context_for_whole_trajectories(
     assert isinstance(engine, VLLMEngineConfig) and engine.max_model_len == 1024
 
 
+def test_a_mixed_fleet_names_the_engines_of_its_first_nodes(tmp_path: Path) -> None:
+    """``rollout.node_engines``: node i runs node_engines[i], the others rollout.engine; each
+    vLLM engine is checked as rollout.engine is, under its own key."""
+    from rollcall.orchestrator.config import HFEngineConfig, VLLMEngineConfig
+    from rollcall.orchestrator.runner.nodes import node_config
+
+    p = tmp_path / "c.yaml"
+    p.write_text(
+        "rollout:\n  nodes: 3\n  max_tokens: 1024\n"
+        "  node_engines: [{kind: vllm, device: cpu, max_model_len: 1024}]\n"
+    )
+    cfg = load_config(p)
+    engines = [node_config(cfg, i, model_dir=tmp_path, chat_template=None).engine
+               for i in range(3)]  # fmt: skip
+    assert isinstance(engines[0], VLLMEngineConfig)
+    assert all(isinstance(e, HFEngineConfig) for e in engines[1:])
+    with pytest.raises(UserError, match=r"rollout.node_engines\[0\].max_model_len \(1024\)"):
+        load_config(p, ["rollout.max_tokens=2048"])
+    p.write_text(p.read_text().replace("nodes: 3", "nodes: 1").replace("}]", "}, {kind: hf}]"))
+    with pytest.raises(UserError, match=r"names 2 engines for 1 rollout nodes"):
+        load_config(p)
+
+
 def test_a_cpu_vllm_engine_needs_no_gpus_and_refuses_what_vllm_cpu_cannot_do(
     tmp_path: Path,
 ) -> None:
