@@ -475,9 +475,14 @@ class Soak:
             events: dict[str, int] = dict(tx.session.execute(sa.text(
                 "SELECT kind, count(*) FROM events WHERE job_id = :j GROUP BY kind"),
                 {"j": self.drills.job.id}).all())  # fmt: skip
-            failed_starts = [str(m) for (m,) in tx.session.execute(sa.text(
-                "SELECT message FROM events WHERE job_id = :j AND kind = 'worker.start_failed'"),
-                {"j": self.drills.job.id}).all()]  # fmt: skip
+            # each failed start with the last lines of its evidence (the root cause last)
+            failed_starts = [
+                {"message": m, "evidence": list(e or [])[-6:]}
+                for m, e in tx.session.execute(sa.text(
+                    "SELECT message, payload->'evidence' FROM events WHERE job_id = :j "
+                    "AND kind = 'worker.start_failed' ORDER BY id"),
+                    {"j": self.drills.job.id}).all()
+            ]  # fmt: skip
         # the job ended: none of its engines or tool processes may be left (Ray ends a
         # finished job's actors within seconds)
         clean = self.wait("no orphan", lambda: not orphans(set(), self.home), 120)
@@ -502,6 +507,38 @@ class Soak:
         plot(sampler.path, self.home / "soak.png", f"soak: {totals['faults']} faults")
         (self.home / "report.json").write_text(json.dumps(totals, indent=1))
         return totals
+
+
+def report_lines(t: dict[str, Any]) -> list[str]:
+    """The report for a terminal: faults by kind with detection and recovery p50/p95/max,
+    what was lost, the end's checks, failed starts, and the processes' slopes."""
+
+    def fig(v: Any) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    lines = [
+        f"{t['faults']} faults in {t['wall_s'] / 3600:.2f} h, {t['steps']} steps; lost "
+        f"{t['lost']}, duplicated {t['duplicated']} (at the end {t['duplicated_at_end']}); "
+        f"invariants: {t['final_invariants']}; drivers {t['drivers']}, the last ended "
+        f"{'cleanly' if t['driver_ended'] and t['driver_rc'] == 0 else 'NOT cleanly'}; "
+        f"orphans at the end: {len(t['orphans_at_end'])}",
+        f"{'kind':<28}{'n':>5}{'failed':>7}  detection p50/p95/max s   recovery p50/p95/max s",
+    ]
+    for kind, k in sorted(t["by_kind"].items()):
+        det = "/".join(fig(k[f"detection_{q}_s"]) for q in ("p50", "p95", "max"))
+        rec = "/".join(fig(k[f"recovery_{q}_s"]) for q in ("p50", "p95", "max"))
+        lines.append(f"{kind:<28}{k['n']:>5}{k['failed']:>7}  {det:<24} {rec}")
+    lines += [f"FAILED {f}" for f in t["failed"]]
+    lines += [f"driver ended on its own: {e}" for e in t["driver_exits"]]
+    lines += [f"failed start: {f['message']}" for f in t["failed_starts"]]
+    shown = (".pss_mb", ".threads", ".open_files", ".mb", ".database_mb", ".wal_mb", ".orphans",
+             ".ray_workers")  # fmt: skip
+    growth = {k: v for k, v in t["slopes"].items() if k.endswith(shown)}
+    lines.append("slopes per hour (after the warm-up): " + "; ".join(
+        f"{k} {v['per_hour']:+.2f}" + (f" ({v['pct_per_hour']:+.1f}%)"
+                                        if v["pct_per_hour"] is not None else "")
+        for k, v in sorted(growth.items())))  # fmt: skip
+    return lines
 
 
 def totals_of(reports: list[DrillReport]) -> dict[str, Any]:
@@ -590,7 +627,9 @@ def main() -> None:
         if soak.db is not None:
             soak.db.dispose()
         soak.server.stop()  # `rollcall --home HOME db start` brings it back to look around
-    print(json.dumps(totals, indent=1))
+    for line in report_lines(totals):
+        print(line)
+    print(f"everything: {args.home / 'report.json'}, {args.home / 'soak.png'}")
 
 
 if __name__ == "__main__":
