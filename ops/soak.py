@@ -221,10 +221,12 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.env = dict(os.environ)
         token = ensure_token(self.home / "ray_token")
+        # RAY_TMPDIR: the cluster's files (sessions, and ray_current_cluster, which a later
+        # ray.init() on this machine would otherwise try to join after the soak) in the home
         self.env.update(ROLLCALL_HOME=str(self.home), RAY_AUTH_MODE="token",
-                        RAY_AUTH_TOKEN_PATH=str(token))  # fmt: skip
+                        RAY_AUTH_TOKEN_PATH=str(token), RAY_TMPDIR=str(self.home))  # fmt: skip
         os.environ.update(ROLLCALL_HOME=self.env["ROLLCALL_HOME"], RAY_AUTH_MODE="token",
-                          RAY_AUTH_TOKEN_PATH=str(token))  # fmt: skip
+                          RAY_AUTH_TOKEN_PATH=str(token), RAY_TMPDIR=str(self.home))  # fmt: skip
         self.cluster = Cluster(self.home, args.port or free_port(), self.env)
         self.server = EmbeddedPostgres(self.home)
         self.config = self.home / "soak.yaml"

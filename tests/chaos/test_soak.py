@@ -33,6 +33,8 @@ EXPECTED = {
 
 def test_every_fault_kind_once_loses_nothing_and_leaves_nothing() -> None:
     home = short_tmpdir("soak")
+    current = Path("/tmp/ray/ray_current_cluster")
+    before = current.read_text() if current.exists() else None
     try:
         done = subprocess.run(
             [sys.executable, str(ROOT / "ops" / "soak.py"), "--hours", "1", "--each-once",
@@ -53,5 +55,9 @@ def test_every_fault_kind_once_loses_nothing_and_leaves_nothing() -> None:
         # the resources were sampled and plotted
         assert (home / "soak.png").stat().st_size > 10_000
         assert "driver.pss_mb" in report["slopes"], sorted(report["slopes"])
+        # the soak's Ray is not the machine's: a later ray.init() here starts its own (CI met
+        # a driver's setup that tried to join the soak's cluster, gone, through this file)
+        after = current.read_text() if current.exists() else None
+        assert after == before, "the soak's cluster was left as this machine's current Ray"
     finally:
         shutil.rmtree(home, ignore_errors=True)
