@@ -80,7 +80,7 @@ def test_the_worker_is_always_a_process_of_its_own(device: str, gpus: int) -> No
     """On one GPU vLLM would run the worker (and the watchdog with it) inside the EngineCore,
     where a hung EngineCore would stop the watchdog too and outlive its node."""
     from rollcall.orchestrator.config import VLLMEngineConfig
-    from rollcall.workers.rollout.engines.vllm import engine_kwargs
+    from rollcall.workers.rollout.engines.vllm_start import engine_kwargs
 
     config = VLLMEngineConfig(device=device, tensor_parallel_size=gpus)
     kwargs = engine_kwargs("/m", config, seed=3)

@@ -37,7 +37,7 @@ CORE = textwrap.dedent(
     if layout == "mp":
         subprocess.Popen([sys.executable, __file__, "worker", str(owner), report])
     else:
-        from rollcall.workers.rollout.engines.vllm import RollcallWorkerExtension
+        from rollcall.workers.rollout.engines.vllm_worker import RollcallWorkerExtension
         watched = RollcallWorkerExtension().rollcall_watch(owner, 0.05)
         with open(report + ".tmp", "w") as f:
             json.dump(list(watched), f)

@@ -5,6 +5,7 @@ start costs 20-55 s here."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -124,6 +125,8 @@ def test_a_dead_engine_core_is_an_engine_failure_and_leaves_no_process(
     procs = set(vllm_engine.engine_pids())
     core = [vllm_engine.processes["engine_core"]]
     assert core[0] in procs and len(procs) >= 2, (vllm_engine.processes, all_engine_processes())
+    sockets = _bound_socket_files({os.getpid(), *procs})
+    assert sockets, "vLLM's processes talk over ZMQ ipc sockets, files on disk"
 
     def kill() -> None:
         time.sleep(0.5)
@@ -142,6 +145,28 @@ def test_a_dead_engine_core_is_an_engine_failure_and_leaves_no_process(
     while time.monotonic() < deadline and any(map(alive, procs)):
         time.sleep(0.2)
     assert not any(map(alive, procs))
+    # a SIGKILLed EngineCore never unlinks its sockets: each restart of a long job left its
+    # files in /tmp (the soak found thousands); the engine keeps them in a folder it removes
+    left = [path for path in sockets if os.path.lexists(path)]
+    assert not left, left
+
+
+def _bound_socket_files(pids: set[int]) -> set[str]:
+    """The paths of the Unix sockets bound to a file that ``pids`` hold open (/proc)."""
+    inodes = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = str(fd.readlink())
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    paths = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/"):
+            paths.add(fields[7])
+    return paths
 
 
 def test_an_engine_core_that_dies_during_a_weight_load_ends_the_load_at_once(

