@@ -35,7 +35,8 @@ supervision never waits on the trainer or the driver's loop; a lock keeps ``chec
 ``actors`` and ``stop()`` apart, and once ``stop()`` ran, ``check()`` starts nothing.
 
 A slot, and how a death is judged (the node's own, its machine's, or unknown until Ray says):
-``orchestrator/runner/slots.py``; the views the driver reads (``actors``, ``members``, ...):
+``orchestrator/runner/slots.py``; slots added, removed and drained: ``orchestrator/runner/
+fleet.py``; the views the driver reads (``actors``, ``members``, ...):
 ``orchestrator/runner/slotviews.py``.
 """
 
@@ -50,6 +51,7 @@ from typing import Any
 from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
 from rollcall.orchestrator.domain import WorkerStatus
 from rollcall.orchestrator.runner import raynodes
+from rollcall.orchestrator.runner.fleet import RESCHEDULE_GRACE_S, Fleet
 from rollcall.orchestrator.runner.slots import (
     MACHINE,
     OWN,
@@ -65,9 +67,6 @@ from rollcall.orchestrator.runner.slotviews import SlotBook
 
 log = logging.getLogger(__name__)
 
-# Ray places a new placement group, or a lost machine's groups elsewhere, within moments where
-# there is room: a slot says it waits for capacity only once that has had time
-RESCHEDULE_GRACE_S = 5.0
 ACTIVE = ("starting", "alive", "restarting", "awaiting_ray", "waiting_capacity", "draining")
 
 
@@ -118,6 +117,7 @@ class Supervisor:
         for slot, group in zip(self.slots, groups, strict=False):
             slot.group = group
         self._nodes = raynodes.nodes() if placement is not None else None
+        self.fleet = Fleet(self)
         for slot in self.slots:
             self._place(slot, time.monotonic())
 
@@ -134,7 +134,7 @@ class Supervisor:
         now = time.monotonic()
         if self.placement is not None:
             self._nodes = raynodes.nodes()
-            self._resize(now)
+            self.fleet.resize(now)
             draining = raynodes.draining()
         else:
             draining = set()
@@ -146,7 +146,7 @@ class Supervisor:
                 if slot.down is not None:  # a death not judged yet (its event failed)
                     self._judge_down(slot)
                 elif slot.state == "draining":
-                    self._drained(slot, now)
+                    self.fleet.drained(slot, now)
                 elif slot.state == "awaiting_ray":
                     self._judge(slot, now)
                 elif slot.state in ("waiting_capacity", "restarting"):
@@ -190,7 +190,7 @@ class Supervisor:
                     self._sandbox_lines.add(sandbox)
                     self.say(f"{slot.name}: {sandbox}")
         if slot.node_id is not None and slot.node_id in draining:
-            self._drain(slot, now, f"its machine, {self._where(slot.node_id)}, is draining")
+            self.fleet.drain(slot, now, f"its machine, {self._where(slot.node_id)}, is draining")
             return
         if not slot.up:
             return
@@ -415,7 +415,7 @@ class Supervisor:
         if state == "UNKNOWN":  # Ray's GCS did not answer: no word on capacity, ask again
             return
         if node is not None and node in (draining or set()):
-            self._regroup(slot)  # placed on a draining machine: ask Ray for room elsewhere
+            self.fleet.regroup(slot)  # placed on a draining machine: ask Ray for room elsewhere
             state, node = group_state(slot.group)
         if state == "CREATED" and node is not None and self._alive(node):
             waited = max(0.0, time.monotonic() - slot.since) if slot.said_waiting else 0.0
@@ -470,109 +470,6 @@ class Supervisor:
         if slot.history and slot.history[-1]["counted"]:
             self.say(f"{slot.name}: restarted (restart {slot.restarts})")
         self._set(slot, "starting", None)
-
-    def _regroup(self, slot: Slot) -> None:
-        """A new placement group for the slot (the old one's machine is draining)."""
-        assert self.placement is not None
-        old = slot.group
-        slot.group = self.placement.new_slot(slot.name)  # first: should it fail, keep the old
-        self.placement.drop(old)
-        slot.quiet_until = time.monotonic() + RESCHEDULE_GRACE_S
-
-    # -- the fleet ----------------------------------------------------------------------------
-
-    def _resize(self, now: float) -> None:
-        """Match the fleet to the size the job should have (``rollcall job scale``). A failed
-        slot still counts (it is not replaced: the job goes on without it, and stops when
-        every slot failed); shrinking removes failed slots first, then the highest-numbered."""
-        target = self.buffer.fleet_size()
-        if target is None:
-            return
-        live = [s for s in self.slots if s.state != "removed" and not s.remove]
-        for _ in range(target - len(live)):
-            slot = Slot(f"rollout-{len(self.slots)}", len(self.slots))
-            assert self.placement is not None
-            slot.group = self.placement.new_slot(slot.name)
-            slot.quiet_until = time.monotonic() + RESCHEDULE_GRACE_S
-            self.slots.append(slot)
-            self._set(slot, "waiting_capacity", "added: waits for Ray to place it")
-            self.buffer.event(
-                "worker.added",
-                f"{slot.name} added: the job scaled to {target} rollout nodes",
-                {"slot": slot.name, "target": target},
-            )
-            self.say(f"{slot.name}: added (the job scaled to {target} rollout nodes)")
-            self._place(slot, now)
-        extra = len(live) - target
-        order = sorted(live, key=lambda s: (not s.failed, -s.index))
-        for slot in order[: max(0, extra)]:
-            slot.remove = True
-            if slot.failed:
-                self._removed(slot)
-                continue
-            self.say(f"{slot.name}: removing it (the job scaled to {target} rollout nodes)")
-            if slot.state in ("alive", "starting"):
-                self._drain(slot, now, f"the job scaled to {target} rollout nodes")
-            elif slot.state != "draining":
-                self._removed(slot)
-
-    def _drain(self, slot: Slot, now: float, why: str) -> None:
-        """Ask the node to finish its in-flight turns and give its leases back."""
-        if slot.up:
-            slot.actor.drain.remote()
-        slot.drain_until = now + self.drain_timeout_s
-        self.buffer.event(
-            "worker.draining",
-            f"{slot.name} draining: {why}",
-            {"slot": slot.name, "ray_node_id": slot.node_id, "reason": why},
-        )
-        self.say(f"{slot.name}: draining ({why}): finishing its turns, giving its episodes back")
-        self._set(slot, "draining", why)
-
-    def _drained(self, slot: Slot, now: float) -> None:
-        import ray
-
-        done = slot.run_ref is None or bool(ray.wait([slot.run_ref], timeout=0)[0])
-        if not done and now < slot.drain_until and slot.up:
-            return
-        note = "" if done and slot.up else f" (not done within {self.drain_timeout_s:.0f} s)"
-        if done and slot.run_ref is not None:
-            with contextlib.suppress(Exception):  # it ended with an error: no report
-                self.final_reports.append(ray.get(slot.run_ref, timeout=0))
-        if slot.worker_id is not None:  # whatever it still holds goes back (not counted)
-            self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD, counted=False)
-        with contextlib.suppress(Exception):
-            ray.kill(slot.actor, no_restart=True)
-        slot.actor = slot.run_ref = slot.worker_ref = None
-        slot.up = False
-        self.buffer.event(
-            "worker.drained",
-            f"{slot.name} drained{note}",
-            {"slot": slot.name, "ray_node_id": slot.node_id},
-        )
-        self.say(f"{slot.name}: drained{note}")
-        if slot.remove:
-            self._removed(slot)
-            return
-        self._regroup(slot)
-        slot.next_start_at = 0.0
-        slot.said_waiting = False
-        self._set(slot, "waiting_capacity", "moved off its draining machine")
-        self._place(slot, now)
-
-    def _removed(self, slot: Slot) -> None:
-        import ray
-
-        with contextlib.suppress(Exception):
-            ray.kill(slot.actor, no_restart=True)
-        if slot.worker_id is not None and slot.actor is not None:
-            self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD, counted=False)
-        slot.actor = slot.run_ref = slot.worker_ref = None
-        slot.up = False
-        if self.placement is not None:
-            self.placement.drop(slot.group)
-        self.buffer.event("worker.removed", f"{slot.name} removed", {"slot": slot.name})
-        self._set(slot, "removed", "the job scaled down")
 
     # -- helpers ------------------------------------------------------------------------------
 
