@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from rollcall.orchestrator import rayauth
 from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
 from rollcall.orchestrator.buffer.trainer import TrainerBuffer
 from rollcall.orchestrator.config import RollcallConfig, read_chat_template
@@ -46,7 +45,7 @@ from rollcall.orchestrator.db.notify import GroupsListener
 from rollcall.orchestrator.domain import JobStatus
 from rollcall.orchestrator.errors import DriverFencedError, TasksPausedError, UserError
 from rollcall.orchestrator.quotas import BatchPolicy
-from rollcall.orchestrator.runner import admission, raylog, raystart, scheduler
+from rollcall.orchestrator.runner import admission, raystart, scheduler
 from rollcall.orchestrator.runner.afterstep import StepBookkeeping
 from rollcall.orchestrator.runner.broadcast import Broadcaster
 from rollcall.orchestrator.runner.drift import IsWeightWatch
@@ -69,8 +68,6 @@ log = logging.getLogger(__name__)
 # Waiting for a full batch: the loop claims again when rollout nodes completed as many groups
 # as the batch lacked (LISTEN/NOTIFY), and at the latest after WAIT_POLL_S.
 WAIT_POLL_S = 0.25
-# How often the driver reads the nodes' new user-code failures (orchestrator/runner/usererrors)
-USER_ERRORS_INTERVAL_S = 1.0
 
 
 class JobDriver:
@@ -260,20 +257,9 @@ class JobDriver:
                 self.step = control.version
 
     def _start_ray(self) -> None:
-        import ray
-
-        started = not ray.is_initialized()
-        self.started_ray = raystart.init_ray(self.cfg, self.home, self.console)
-        if self.started_ray:
-            rayauth.stop_monitor()
-        # the cluster's error paragraphs too ("(raylet) A worker died ..."): rollcall says
-        # in one line what happened to its actor
-        self._release_ray_messages = raylog.route_to_log()
-        if started:
-            # Ray's logger does not propagate, and with configure_logging=False it has no
-            # handler: Python's last resort would print its warnings on the terminal. Up to the
-            # root logger they go to driver.log (RunDir.capture_logs).
-            logging.getLogger("ray").propagate = True
+        self.started_ray, self._release_ray_messages = raystart.start(
+            self.cfg, self.home, self.console
+        )
         self.placement = raystart.reserve(self.cfg, self.console)
 
     def request_stop(self) -> None:
@@ -307,23 +293,9 @@ class JobDriver:
             self.cfg, url, self.job_id, self.node_config(index), self.cfg.buffer, strategy
         )
 
-    def _supervise(self) -> None:
-        """A scheduler job, so supervision never waits on the loop (a trainer call may take
-        up to ``trainer.call_timeout_s``)."""
-        supervisor = self.supervisor
-        if supervisor is not None:
-            supervisor.check()
-
     def _start_evaluator(self) -> None:
         assert self.evals is not None
         self.evals.start()
-
-    def _retention(self) -> None:
-        """The retention pass: old payloads (``buffer.payload_retention_*``), then old events
-        (``control_plane.event_retention_*``)."""
-        cp, control = self.cfg.control_plane, self.control_buffer
-        control.drop_old_payloads()
-        control.drop_old_events(cp.event_retention_s, cp.event_retention_count)
 
     def _capture_logs(self) -> Callable[[], None]:
         """driver.log, rotated at ``run.log_max_mb`` with ``run.log_backups`` kept."""
@@ -331,7 +303,6 @@ class JobDriver:
         return self.run_dir.capture_logs(run.log_max_mb * 1_000_000, run.log_backups)
 
     def _start_scheduler(self) -> None:
-        cp = self.cfg.control_plane
         control = self.control_buffer
         # What libraries log (APScheduler's missed runs, the retries of a database outage)
         # goes to the run directory's driver.log, not the user's terminal (set up by setup()).
@@ -342,18 +313,14 @@ class JobDriver:
         # outages: each one becomes an event and a line once the database is back.
         control.record_outages = True
         control.on_outage = lambda o: self.console.print(o.describe(), markup=False)
-        scheduler.start_jobs(
-            s,
-            [
-                (control.seed, cp.seed_interval_s, "seed"),
-                (control.sweep_expired_leases, cp.lease_sweep_interval_s, "lease-sweep"),
-                (control.expire_stale, cp.staleness_interval_s, "staleness-expiry"),
-                (self._sweep_dead, cp.dead_sweep_interval_s, "dead-worker-sweep"),
-                (self._supervise, cp.supervise_interval_s, "supervise"),
-                (self._retention, cp.retention_interval_s, "payload-retention"),
-                (self._report_user_errors, USER_ERRORS_INTERVAL_S, "user-errors"),
-            ],
+        jobs = scheduler.control_plane_jobs(
+            self.cfg,
+            control,
+            supervisor=lambda: self.supervisor,
+            user_errors=lambda: self.user_errors,
+            say=lambda m: self.console.print(m, markup=False),
         )
+        scheduler.start_jobs(s, jobs)
         self.scheduler = s
         control.seed()
 
@@ -369,20 +336,6 @@ class JobDriver:
             missed_runs=self.missed_runs,
             say=lambda m: self.console.print(m, markup=False),
         )
-
-    def _report_user_errors(self) -> None:
-        if self.user_errors is not None:
-            self.user_errors.poll()
-
-    def _sweep_dead(self) -> None:
-        cp = self.cfg.control_plane
-        for d in self.control_buffer.sweep_dead_workers(
-            cp.heartbeat_timeout_s, cp.progress_timeout_s
-        ):
-            self.console.print(
-                f"{d.name}: declared dead ({d.reason}); {d.swept.requeued} leases requeued",
-                markup=False,
-            )
 
     # -- the loop -----------------------------------------------------------------------------
 

@@ -3,7 +3,9 @@ job's slots (placement groups, ``orchestrator/runner/placement.py``) before anyt
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +14,33 @@ from rich.console import Console
 from rollcall.orchestrator import rayauth
 from rollcall.orchestrator.config import RollcallConfig
 from rollcall.orchestrator.errors import UserError
+from rollcall.orchestrator.runner import raylog
 
 # A local Ray's own log files (raylet, GCS, each worker's output under
 # /tmp/ray/session_*/logs) rotate at this size with this many older files kept; Ray's default
 # is 512 MB and 5 per file. An operator's RAY_ROTATION_MAX_BYTES / RAY_ROTATION_BACKUP_COUNT win.
 RAY_LOG_ROTATE_BYTES = 50_000_000
 RAY_LOG_ROTATE_BACKUPS = 5
+
+
+def start(cfg: RollcallConfig, home: Path, console: Console) -> tuple[bool, Callable[[], None]]:
+    """The driver's Ray (``init_ray``), its messages routed to driver.log: whether this
+    process started a local Ray, and the function that gives its messages back."""
+    import ray
+
+    first = not ray.is_initialized()
+    started = init_ray(cfg, home, console)
+    if started:
+        rayauth.stop_monitor()
+    # the cluster's error paragraphs too ("(raylet) A worker died ..."): rollcall says in one
+    # line what happened to its actor
+    release = raylog.route_to_log()
+    if first:
+        # Ray's logger does not propagate, and with configure_logging=False it has no handler:
+        # Python's last resort would print its warnings on the terminal. Up to the root logger
+        # they go to driver.log (RunDir.capture_logs).
+        logging.getLogger("ray").propagate = True
+    return started, release
 
 
 def init_ray(cfg: RollcallConfig, home: Path, console: Console) -> bool:

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
+    from rollcall.orchestrator.config import RollcallConfig
+    from rollcall.orchestrator.runner.supervisor import Supervisor
+    from rollcall.orchestrator.runner.usererrors import UserErrorReport
 
 # A control-plane run that starts late (a loaded machine) still runs unless it is this late
 # (the process was frozen): then it is dropped, logged to driver.log and counted.
@@ -29,6 +35,8 @@ class _SkippedRunFilter(logging.Filter):
 
 
 SKIPPED_RUN_FILTER = _SkippedRunFilter()
+# How often the driver reads the nodes' new user-code failures (orchestrator/runner/usererrors)
+USER_ERRORS_INTERVAL_S = 1.0
 
 
 def make_scheduler() -> tuple[Any, Any]:
@@ -51,3 +59,47 @@ def start_jobs(s: Any, jobs: Sequence[tuple[Callable[[], Any], float, str]]) -> 
     for fn, every, name in jobs:
         s.add_job(fn, "interval", seconds=every, id=name)
     s.start()
+
+
+def control_plane_jobs(
+    cfg: RollcallConfig,
+    control: ControlPlaneBuffer,
+    *,
+    supervisor: Callable[[], Supervisor | None],
+    user_errors: Callable[[], UserErrorReport | None],
+    say: Callable[[str], None],
+) -> list[tuple[Callable[[], Any], float, str]]:
+    """The driver's control-plane jobs (function, interval in seconds, name): seeding, the
+    lease sweep, staleness expiry, the dead-worker sweep, the rollout nodes' supervision (a job
+    of its own, so it never waits on the driver's loop: a trainer call may take up to
+    ``trainer.call_timeout_s``), retention and the report of user-code failures.
+    ``supervisor`` and ``user_errors`` are read at each run (set up after the scheduler)."""
+    cp = cfg.control_plane
+
+    def sweep_dead() -> None:
+        for d in control.sweep_dead_workers(cp.heartbeat_timeout_s, cp.progress_timeout_s):
+            say(f"{d.name}: declared dead ({d.reason}); {d.swept.requeued} leases requeued")
+
+    def supervise() -> None:
+        if (sup := supervisor()) is not None:
+            sup.check()
+
+    def retention() -> None:
+        """Old payloads (``buffer.payload_retention_*``), then old events
+        (``control_plane.event_retention_*``)."""
+        control.drop_old_payloads()
+        control.drop_old_events(cp.event_retention_s, cp.event_retention_count)
+
+    def report_user_errors() -> None:
+        if (report := user_errors()) is not None:
+            report.poll()
+
+    return [
+        (control.seed, cp.seed_interval_s, "seed"),
+        (control.sweep_expired_leases, cp.lease_sweep_interval_s, "lease-sweep"),
+        (control.expire_stale, cp.staleness_interval_s, "staleness-expiry"),
+        (sweep_dead, cp.dead_sweep_interval_s, "dead-worker-sweep"),
+        (supervise, cp.supervise_interval_s, "supervise"),
+        (retention, cp.retention_interval_s, "payload-retention"),
+        (report_user_errors, USER_ERRORS_INTERVAL_S, "user-errors"),
+    ]

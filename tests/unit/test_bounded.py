@@ -84,11 +84,14 @@ def test_a_local_ray_rotates_its_logs_at_a_bound(
 
 def test_the_retention_pass_drops_old_events_with_the_configured_bounds(tmp_path: Path) -> None:
     from rollcall.orchestrator.config import RollcallConfig
-    from rollcall.orchestrator.runner.driver import JobDriver
+    from rollcall.orchestrator.runner.scheduler import control_plane_jobs
 
     calls: list[tuple[Any, ...]] = []
 
-    class Control:
+    class Control:  # a fake control-plane buffer: the retention pass's two calls, recorded
+        def __getattr__(self, name: str) -> Any:  # the other jobs' functions: not run here
+            return lambda: None
+
         def drop_old_payloads(self) -> tuple[int, int]:
             calls.append(("payloads",))
             return 0, 0
@@ -101,7 +104,13 @@ def test_the_retention_pass_drops_old_events_with_the_configured_bounds(tmp_path
         {"job": {"name": "bounded"}, "control_plane": {"event_retention_count": None}}
     )
     assert cfg.control_plane.event_retention_s == 7 * 86_400  # a week by default
-    driver = JobDriver(cfg, None, model_dir=tmp_path, home=tmp_path, live=False)  # type: ignore[arg-type]
-    driver.control_buffer = Control()  # type: ignore[assignment]
-    driver._retention()
+    jobs = control_plane_jobs(
+        cfg,
+        Control(),  # type: ignore[arg-type]
+        supervisor=lambda: None,
+        user_errors=lambda: None,
+        say=print,
+    )
+    [retention] = [fn for fn, _, name in jobs if name == "payload-retention"]
+    retention()
     assert calls == [("payloads",), ("events", 7 * 86_400, None)]
