@@ -20,7 +20,7 @@ from rollcall.workers.episode.engine import (
 )
 
 SLOW_GENERATE_S = 12.0  # longer than the heartbeat timeout (10 s), within progress (30 s)
-SLOW_START_S = 45.0  # longer than the start test's start_timeout_s (30 s), by half
+SLOW_START_S = 75.0  # longer than the start test's start_timeout_s (60 s)
 
 
 class _Wrapped:
