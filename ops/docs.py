@@ -1,14 +1,16 @@
 """Generate the reference pages of the manual from the code.
 
-    python ops/docs.py            # rewrite docs/configuration.md and docs/cli.md
+    python ops/docs.py            # rewrite docs/configuration.md, docs/cli.md, docs/modules.md
     python ops/docs.py --check    # exit 1 (naming the stale files) when either is out of date
 
 ``docs/configuration.md`` comes from the pydantic config models (``rollcall.orchestrator.config``,
 ``rollcall.orchestrator.algorithms``): every section and key with its type, default, bounds and
 description (a model's docstring, a field's ``Field(description=...)``). ``docs/cli.md`` comes
 from the typer app (``rollcall.orchestrator.cli.app``): every command with its help, arguments and
-options. Both are rendered here, not by rich or click's help formatter, so the output depends
-on neither the terminal's width nor its colours: the same code gives the same bytes.
+options. ``docs/modules.md`` is the module map: every module of the packages with the first
+sentence of its docstring. They are rendered here, not by rich or click's help formatter, so
+the output depends on neither the terminal's width nor its colours: the same code gives the
+same bytes.
 ``tests/unit/test_docs.py`` fails when a committed file differs from a fresh generation.
 """
 
@@ -35,6 +37,9 @@ from pydantic_core import PydanticUndefined  # noqa: E402
 
 CONFIG_MD = ROOT / "docs" / "configuration.md"
 CLI_MD = ROOT / "docs" / "cli.md"
+MODULES_MD = ROOT / "docs" / "modules.md"
+PACKAGES = ("orchestrator", "workers", "tasks", "migrations", "rollcall")
+SOURCE = ROOT  # where the packages are
 REGENERATE = "python ops/docs.py"
 
 GENERATED = (
@@ -520,11 +525,46 @@ def cli_reference() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+# -- the module map ---------------------------------------------------------------------------
+
+MODULES_INTRO = """# Module map
+
+Every module of the house, by package, with the first sentence of its docstring: where a
+thing lives. The layers and what each part owns are in [architecture.md](architecture.md);
+`rollcall/` holds the user's API (`import rollcall`) and links to the four packages.
+"""
+
+
+def _first_sentence(path: Path) -> str:
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    para = " ".join(doc.split("\n\n")[0].split())
+    m = re.search(r"(?<![.\s][a-z])\. ", para)  # a sentence's end, not "e.g. "
+    text = para[: m.start() + 1] if m else para
+    return text if len(text) <= 240 else text[:237].rstrip() + "..."
+
+
+def module_reference() -> str:
+    out = [GENERATED.format(cmd=REGENERATE, source="the modules' docstrings"), MODULES_INTRO]
+    for package in PACKAGES:
+        out.append(f"## `{package}/`\n")
+        for path in sorted((SOURCE / package).rglob("*.py"), key=lambda p: p.parts):
+            rel = path.relative_to(SOURCE)
+            if "__pycache__" in rel.parts or any((SOURCE / q).is_symlink() for q in rel.parents):
+                continue
+            depth = len(rel.parts) - 2
+            doc = _cell(_first_sentence(path)) or "(no docstring)"
+            out.append(f"{'  ' * depth}- `{rel.as_posix()}`: {doc}")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
 # -- entry point --------------------------------------------------------------------------------
 
 
 def generated() -> dict[Path, str]:
-    return {CONFIG_MD: config_reference(), CLI_MD: cli_reference()}
+    return {CONFIG_MD: config_reference(), CLI_MD: cli_reference(), MODULES_MD: module_reference()}
 
 
 def stale() -> list[Path]:

@@ -28,7 +28,9 @@ def _project_files(*suffixes: str) -> list[Path]:
     return sorted(out)
 
 
-@pytest.mark.parametrize("path", [docs.CONFIG_MD, docs.CLI_MD], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", [docs.CONFIG_MD, docs.CLI_MD, docs.MODULES_MD], ids=lambda p: p.name
+)
 def test_generated_reference_is_current(path: Path) -> None:
     fresh = docs.generated()[path]
     committed = path.read_text() if path.exists() else ""
@@ -44,8 +46,11 @@ def test_check_mode_reports_a_hand_edit(tmp_path: Path, monkeypatch: pytest.Monk
     edited.write_text(docs.cli_reference().replace("Create an empty job.", "Make a job.", 1))
     current = tmp_path / "configuration.md"
     current.write_text(docs.config_reference())
+    modules = tmp_path / "modules.md"
+    modules.write_text(docs.module_reference())
     monkeypatch.setattr(docs, "CLI_MD", edited)
     monkeypatch.setattr(docs, "CONFIG_MD", current)
+    monkeypatch.setattr(docs, "MODULES_MD", modules)
     monkeypatch.setattr(docs, "ROOT", tmp_path)
     assert docs.stale() == [edited]
     assert docs.main(["--check"]) == 1
