@@ -35,6 +35,10 @@ def test_a_lora_job_survives_a_trainer_kill_and_a_node_kill(
     raw["run"]["mode"] = "sync"
     raw["trainer"].update(lr=1e-2, checkpoint_every=2, lora={"rank": 4, "alpha": 16})
     raw["trainer"]["loss"]["entropy_coef"] = 0.01  # the adapters move whatever the rewards
+    # LoRA with objectives of their own: CISPO over plain REINFORCE++'s whitened rewards
+    raw["trainer"]["loss"].update(
+        policy_loss={"kind": "cispo"}, advantage={"kind": "reinforce_plus_plus"}
+    )
     cfg = type(cfg).model_validate(raw)
     driver = _driver(cfg, db, tiny_dir, tmp_path)
     killed: list[int] = []

@@ -36,6 +36,8 @@ def test_a_lora_job_on_vllm_serves_each_versions_adapter(
     # rarely earns a reward
     raw["trainer"].update(lr=1e-2, lora={"rank": 4, "alpha": 16})
     raw["trainer"]["loss"]["entropy_coef"] = 0.01
+    # LoRA with objectives of their own: GSPO's sequence ratio over RLOO's advantages
+    raw["trainer"]["loss"].update(policy_loss={"kind": "gspo"}, advantage={"kind": "rloo"})
     cfg = type(cfg).model_validate(raw)
     driver = _driver(cfg, db, vllm_tiny_dir, tmp_path)
     try:
