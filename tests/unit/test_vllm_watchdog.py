@@ -62,7 +62,11 @@ def test_the_watch_spares_a_live_owner_and_ends_the_engine_when_it_dies(
     script = tmp_path / "core.py"
     script.write_text(CORE)
     report = tmp_path / "watched.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # the engine's socket folder (vllm_start.socket_dir), as vLLM's processes inherit it
+    sockets = tmp_path / "rollcall-vllm-test" / "123-abc"
+    sockets.mkdir(parents=True)
+    (sockets / "a-socket").touch()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_RPC_BASE_PATH": str(sockets)}
     owner = subprocess.Popen(
         [sys.executable, "-c", OWNER, str(script), layout, str(report)],
         env=env,
@@ -81,7 +85,7 @@ def test_the_watch_spares_a_live_owner_and_ends_the_engine_when_it_dies(
         # parent not being the owner, killed it within one interval)
         with pytest.raises(subprocess.TimeoutExpired):
             owner.wait(timeout=1.0)
-        assert alive(core) and alive(worker)
+        assert alive(core) and alive(worker) and sockets.exists()
         owner.kill()
         owner.wait()
         wait_for(
@@ -89,6 +93,9 @@ def test_the_watch_spares_a_live_owner_and_ends_the_engine_when_it_dies(
             lambda: not alive(core) and not alive(worker),
             30,
         )
+        # nobody is left to close the engine: the watch removes its socket folder (a SIGKILLed
+        # node's folder stayed until the next engine start on the machine swept it)
+        assert not sockets.exists()
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(owner.pid, signal.SIGKILL)

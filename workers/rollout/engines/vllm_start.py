@@ -6,8 +6,9 @@ vLLM's processes talk over ``ipc://`` sockets, files under ``VLLM_RPC_BASE_PATH`
 the temporary folder itself). A SIGKILLed EngineCore or node never unlinks them, so every
 engine restart of a long job left a few files in ``/tmp`` for good. Each engine gets a folder
 of its own instead (``rollcall-vllm-UID/PID-XXXX`` under the temporary folder, mode 0700),
-removed when the engine closes; a start also removes the folders of processes that are gone
-(a node that was SIGKILLed never closed its engine).
+removed when the engine closes, or by vLLM's worker once its watchdog finds the node gone
+(``vllm_worker``: a node that was SIGKILLed never closes its engine); a start also removes
+the folders of processes that are gone, should both have been killed at once.
 """
 
 from __future__ import annotations

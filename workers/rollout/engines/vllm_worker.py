@@ -8,6 +8,7 @@ safetensors are imported only when called.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -102,7 +103,17 @@ class RollcallWorkerExtension:
                 if procfs.parent_of(core) != owner_pid:
                     if core != me:
                         procfs.signal_same(core_ident, signal.SIGKILL)
+                    _remove_sockets()
                     os._exit(1)
 
         threading.Thread(target=watch, name="rollcall-watchdog", daemon=True).start()
         return core, me
+
+
+def _remove_sockets() -> None:
+    """The engine's socket folder (``vllm_start.socket_dir``, inherited as
+    ``VLLM_RPC_BASE_PATH``): once the owner or the EngineCore is gone, nobody uses it, and a
+    SIGKILLed owner never closes its engine to remove it."""
+    path = Path(os.environ.get("VLLM_RPC_BASE_PATH", ""))
+    if path.parent.name.startswith("rollcall-vllm-"):  # never vLLM's default, the temp folder
+        shutil.rmtree(path, ignore_errors=True)
