@@ -272,7 +272,9 @@ class RolloutConfig(StrictModel):
         default=600.0, description="the window max_restarts counts restarts in"
     )
     restart_backoff_s: Seconds = Field(
-        default=1.0, description="first restart delay; doubles per restart, capped at 30 s"
+        default=1.0,
+        description="first restart delay; doubles per restart of a crash loop (deaths within "
+        "a minute of their start), capped at 30 s; a node that ran longer starts over",
     )
     start_timeout_s: Seconds = Field(
         default=120.0,

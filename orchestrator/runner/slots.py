@@ -37,6 +37,8 @@ class Slot:
     up: bool = False  # its constructor finished: the engine is up
     registered_at: float = 0.0
     restarts: int = 0  # counted within the window
+    streak: int = 0  # counted deaths in a row, each soon after its start: the backoff's n
+    died_at: float = 0.0  # when its latest incarnation was found down
     losses: int = 0  # machine losses (not counted)
     started_at: float = 0.0
     next_start_at: float = 0.0

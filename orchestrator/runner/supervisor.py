@@ -20,7 +20,8 @@ A slot is in one state (``rollout_slots.state``, shown by ``rollcall status`` an
   makes it the node's own death. So a restart never goes into a bundle on a dying machine.
 - ``restarting``: down by its own failure (its code raised: an ``EngineFailure``, a tripped
   breaker, a constructor that raised; or its machine proved alive), counted, restarted after
-  ``backoff_base_s * 2^(n-1)`` seconds (capped).
+  ``backoff_base_s * 2^(n-1)`` seconds (capped), n its deaths in a row each within
+  ``HEALTHY_RESET_S`` of its start (an incarnation that ran longer starts n over at 1).
 - ``draining``: its machine is being drained (Ray's draining state: ``rollcall node drain``,
   ``ray drain-node``, an autoscaler) or the fleet shrinks (``rollcall job scale``): the node
   finishes its in-flight turns, checkpoints them and gives its leases back (``drain()``),
@@ -67,6 +68,10 @@ from rollcall.orchestrator.runner.slotviews import SlotBook
 
 log = logging.getLogger(__name__)
 
+# An incarnation that ran this long before it died was healthy: its restart's backoff starts
+# over from restart_backoff_s (the budget still counts it). Shorter lives in a row are a crash
+# loop, and the backoff doubles with each.
+HEALTHY_RESET_S = 60.0
 ACTIVE = ("starting", "alive", "restarting", "awaiting_ray", "waiting_capacity", "draining")
 
 
@@ -262,6 +267,7 @@ class Supervisor:
         worker_id = slot.worker_id
         slot.actor = slot.run_ref = slot.worker_ref = None
         slot.up = False
+        slot.died_at = time.monotonic()
         # judged below; should that fail (its event not written: the database away past the
         # retries), the next pass judges it again instead of watching an actor that is gone
         slot.down = (reason, judged)
@@ -387,7 +393,11 @@ class Supervisor:
             if self.placement is not None:
                 self.placement.drop(slot.group)  # its resources go back to the cluster
             return
-        delay = min(self.backoff_cap_s, self.backoff_base_s * 2 ** (restarts - 1))
+        # how long it lived: to its death, not to this verdict (Ray's word may come later)
+        lived = max(slot.died_at, slot.started_at) - slot.started_at
+        healthy = slot.started_at > 0 and lived >= HEALTHY_RESET_S
+        streak = 1 if healthy else slot.streak + 1
+        delay = min(self.backoff_cap_s, self.backoff_base_s * 2 ** (streak - 1))
         self.buffer.event(
             "worker.restarting",
             f"{slot.name} down ({reason}); restart {restarts}/{self.max_restarts} in {delay:.1f} s",
@@ -395,6 +405,7 @@ class Supervisor:
         )
         slot.history.append(death)
         slot.restarts = restarts
+        slot.streak = streak
         slot.next_start_at = now + delay
         self.say(
             f"{slot.name}: down ({reason}); restart {slot.restarts}/{self.max_restarts} in "
