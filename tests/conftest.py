@@ -278,7 +278,14 @@ def init_local_ray() -> None:
     """Start the tests' local Ray (logical CPUs: actors ask for 1 each, threads are capped)."""
     import ray
 
-    os.environ.setdefault("RAY_worker_niceness", "0")  # as the driver's local Ray (not 15)
+    from rollcall.orchestrator.runner.raystart import RAY_LOG_ROTATE_BACKUPS, RAY_LOG_ROTATE_BYTES
+
+    # as the driver's local Ray: workers at niceness 0 (not 15), and its log rotation, under
+    # which Ray hands each worker's output to its log file through a pipe (a driver run in
+    # this process earlier would have set it anyway: the tests' Ray is the same whatever ran)
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    os.environ.setdefault("RAY_ROTATION_MAX_BYTES", str(RAY_LOG_ROTATE_BYTES))
+    os.environ.setdefault("RAY_ROTATION_BACKUP_COUNT", str(RAY_LOG_ROTATE_BACKUPS))
     ray.init(
         address="local",
         num_cpus=8,

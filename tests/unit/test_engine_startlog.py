@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +92,43 @@ def test_a_start_error_reads_back_only_what_was_written_since_the_mark(tmp_path:
     assert "older start" not in str(error)
     copy = pickle.loads(pickle.dumps(error))  # as Ray sends it to the supervisor
     assert (str(copy), copy.cause, copy.output) == (str(error), error.cause, error.output)
+
+
+def test_through_rays_pipe_it_reads_the_log_file_once_the_copy_has_caught_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under log rotation (the driver's local Ray) a worker's stdout is a pipe and Ray's logger
+    copies it into worker-*.out: a copier of our own stands in for Ray's (a fake at that seam;
+    tests/vllm/test_vllm_start_failure.py has the real one), late by 0.3 s, and rotates the
+    file before it writes the error line."""
+    log = tmp_path / "worker.out"
+    log.write_bytes(b"(Worker pid=1) ERROR 12-06 13:00:00 [x.py:1] OSError: an older start's\n")
+    monkeypatch.setattr(startlog, "ray_worker_logs", lambda: {"stdout": str(log)})
+    read_end, write_end = os.pipe()
+    saved = os.dup(1)
+    os.dup2(write_end, 1)
+    os.close(write_end)
+
+    def copy() -> None:
+        with os.fdopen(read_end, "rb") as pipe:
+            data = pipe.read()  # until the writer's end closes
+        time.sleep(0.3)
+        log.rename(tmp_path / "worker.1.out")  # rotated: a new file takes the name
+        log.write_bytes(data)
+
+    copier = threading.Thread(target=copy)
+    copier.start()
+    try:
+        mark = startlog.OutputMark()
+        os.write(1, f"(Worker pid=8) ERROR 12-06 13:01:05 [x.py:1] {ROOT}\n".encode())
+    finally:
+        os.dup2(saved, 1)  # the pipe's last writer closes: the copier goes on
+        os.close(saved)
+    error = startlog.start_error(RuntimeError("Engine core initialization failed."), mark)
+    copier.join()
+    assert (mark.streams[0].where, mark.streams[0].piped) == (str(log), True)  # stdout's
+    assert error.cause == ROOT and "older start" not in str(error), str(error)
+    assert f"stdout: {log}" in str(error)
 
 
 def test_the_supervisor_keeps_the_tail_of_a_constructors_error() -> None:

@@ -74,7 +74,8 @@ def test_a_node_whose_engine_fails_to_start_leaves_its_cause_in_the_event(
         )  # fmt: skip
         return rollout_actor(num_cpus=1).remote(db_url, 1, config)
 
-    # a real Ray worker: the engine reads back its worker-*.out / .err
+    # a real Ray worker under the driver's log rotation (tests/conftest.py): its stdout and
+    # stderr are Ray's pipes to worker-*.out / .err, which the engine reads back
     supervisor = Supervisor(buffer, start_node, nodes=1, max_restarts=0, say=lines.append)
 
     def failed() -> bool:

@@ -8,22 +8,30 @@ output unless ``VLLM_LOGGING_STREAM`` says otherwise), and the EngineCore proces
 traceback on standard error as it exits (multiprocessing). The frontend then raises only
 ``RuntimeError("Engine core initialization failed. See root cause above. ...")``.
 
-Under Ray a worker's standard output and error are files (``worker-*.out`` and ``worker-*.err``
-in the session's ``logs/``; under pytest, its capture file). ``OutputMark`` notes their sizes
-before the start and reads back what was written since (at most ``READ_BYTES`` of each);
+Under Ray a worker's standard output and error end in files (``worker-*.out`` and
+``worker-*.err`` in the session's ``logs/``; under pytest, its capture file). Without log
+rotation they are those files; with it (``RAY_ROTATION_MAX_BYTES``, which the driver's local
+Ray sets, ``orchestrator/runner/raystart.py``) they are pipes, and Ray's logger copies what
+comes through them into the files (``ray_worker_logs`` names them). ``OutputMark`` notes the
+files' sizes before the start and reads back what was written since (at most ``READ_BYTES``
+of each; through a pipe, once the file has stopped growing for ``SETTLE_S``);
 ``start_error`` picks from it the error lines (vLLM's ERROR lines, tracebacks, exception lines)
 and the root cause (the first exception line: vLLM logs the original error before the
 processes above it fail in turn), and builds the ``EngineStartError`` the engine raises, its
 message ending in one line that names the root cause (the supervisor's restart line takes the
 last line) and carrying at most ``MAX_LINES`` lines of evidence, ``MAX_BYTES`` in all. A stream
-that is not a regular file (a terminal, a pipe) cannot be read back: the error then says so.
+that is not a regular file and not Ray's pipe (a terminal, a pipe of the user's) cannot be read
+back: the error then says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +40,8 @@ READ_BYTES = 256 * 1024  # read back at most this much of what each stream got d
 MAX_LINES = 40  # evidence kept in the error: the last error lines ...
 MAX_BYTES = 4096  # ... at most this many bytes of them
 LINE_CHARS = 400  # one line of evidence at most
+SETTLE_S = 0.5  # a file written through Ray's pipe is read once it grew no more for this long
+SETTLE_MAX_S = 5.0  # ... or after this long in all
 
 # vLLM's prefix for a child process's lines: "(EngineCore pid=23156) " / "(Worker pid=23207) "
 _WHO = re.compile(r"^(\([\w.-]+ pid=\d+\) )")
@@ -58,44 +68,105 @@ class EngineStartError(RuntimeError):
 @dataclass(frozen=True)
 class _Stream:
     name: str
-    fd: int
+    where: str  # the file's path (read back by a new open of it)
     file: tuple[int, int]  # (device, inode): the same file when read back
     offset: int
+    piped: bool  # written through a pipe by another process: it may lag behind
 
 
 class OutputMark:
-    """This process's standard output and error that are regular files, and their sizes now."""
+    """This process's standard output and error that end in files (regular files, or Ray's
+    pipes to its worker's log files), and the files' sizes now."""
 
     def __init__(self) -> None:
         self.streams: list[_Stream] = []
+        logs = ray_worker_logs()
         for fd, name in ((1, "stdout"), (2, "stderr")):
             try:
                 st = os.fstat(fd)
             except OSError:
                 continue
+            where, piped = f"/proc/self/fd/{fd}", False  # a new open: the fd may be write-only
+            if not stat.S_ISREG(st.st_mode):
+                if not (stat.S_ISFIFO(st.st_mode) and logs.get(name)):
+                    continue
+                where, piped = logs[name], True
+                try:
+                    st = Path(where).stat()
+                except OSError:
+                    continue
             file = (st.st_dev, st.st_ino)
-            if stat.S_ISREG(st.st_mode) and all(s.file != file for s in self.streams):
-                self.streams.append(_Stream(name, fd, file, st.st_size))
+            if all(s.file != file for s in self.streams):
+                self.streams.append(_Stream(name, where, file, st.st_size, piped))
 
     def written(self) -> list[tuple[str, str]]:
         """(stream name, text) of what each stream got since the mark (at most its last
         ``READ_BYTES``), standard output first."""
+        if any(s.piped for s in self.streams):
+            _settle([s.where for s in self.streams if s.piped])
         out = []
         for s in self.streams:
             try:
-                # a new open of the same file: the fd itself may be write-only
-                with open(f"/proc/self/fd/{s.fd}", "rb") as f:
+                with open(s.where, "rb") as f:
                     st = os.fstat(f.fileno())
-                    if (st.st_dev, st.st_ino) != s.file:
-                        continue  # the fd was pointed elsewhere since
                     size = st.st_size
-                    start = s.offset if size >= s.offset else 0  # truncated: read it all
+                    if (st.st_dev, st.st_ino) == s.file:
+                        start = s.offset if size >= s.offset else 0  # truncated: read it all
+                    elif s.piped:
+                        start = 0  # Ray rotated it: what came since is in the new file
+                    else:
+                        continue  # the fd was pointed elsewhere since
                     f.seek(max(start, size - READ_BYTES))
                     data = f.read(READ_BYTES)
             except OSError:
                 continue
             out.append((s.name, data.decode("utf-8", "replace")))
         return out
+
+    def where(self) -> str:
+        """Which files the streams end in: "stdout: PATH, stderr: PATH"."""
+        return ", ".join(f"{s.name}: {_path(s.where)}" for s in self.streams)
+
+
+def ray_worker_logs() -> dict[str, str]:
+    """The files Ray writes this worker process's standard output and error to, by stream
+    name; none outside a Ray worker (and Ray is not imported for the asking)."""
+    worker_module = sys.modules.get("ray._private.worker")
+    worker = getattr(worker_module, "global_worker", None)
+    if worker is None:
+        return {}
+    try:
+        paths = {"stdout": worker.get_out_file_path(), "stderr": worker.get_err_file_path()}
+    except Exception:  # Ray's own helpers; a version without them: no files
+        return {}
+    return {name: str(path) for name, path in paths.items() if path}
+
+
+def _settle(paths: list[str]) -> None:
+    """Wait until these files grew no more for ``SETTLE_S`` (at most ``SETTLE_MAX_S``): what
+    vLLM's processes wrote into Ray's pipe before they ended is in the file then."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+
+    def sizes() -> list[int]:
+        out = []
+        for path in paths:
+            try:
+                out.append(Path(path).stat().st_size)
+            except OSError:
+                out.append(-1)
+        return out
+
+    deadline = time.monotonic() + SETTLE_MAX_S
+    last, since = sizes(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = sizes()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= SETTLE_S:
+            return
 
 
 def error_lines(text: str) -> list[str]:
@@ -164,16 +235,17 @@ def start_error(error: BaseException, mark: OutputMark, what: str = "vLLM") -> E
     elif not kept:
         head = f"{what}'s processes wrote no error line while it started"
     else:
-        where = ", ".join(f"{s.name}: {_path(s.fd)}" for s in mark.streams)
-        head = f"{what}'s processes wrote, while it started ({where}):\n" + "\n".join(
+        head = f"{what}'s processes wrote, while it started ({mark.where()}):\n" + "\n".join(
             f"  | {line}" for line in kept
         )
     last = f"{cause} ({what} did not start: {said})" if cause else f"{what} did not start: {said}"
     return EngineStartError(f"{head}\n{last}", cause or said, tuple(kept))
 
 
-def _path(fd: int) -> str:
+def _path(where: str) -> str:
+    if not where.startswith("/proc/self/fd/"):
+        return where
     try:
-        return str(Path(f"/proc/self/fd/{fd}").readlink()).removesuffix(" (deleted)")
+        return str(Path(where).readlink()).removesuffix(" (deleted)")
     except OSError:
-        return f"fd {fd}"
+        return where
