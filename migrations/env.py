@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from alembic import context
 
+from rollcall.orchestrator.db.engine import open_database
 from rollcall.orchestrator.db.migrate import include_name, include_object
 from rollcall.orchestrator.db.models import Base
 
@@ -34,7 +35,6 @@ def run_migrations_online() -> None:
     if connection is not None:
         _configure_and_run(connection)
         return
-    from rollcall.orchestrator.db.engine import open_database
 
     db = open_database(verify_schema=False)
     try:

@@ -22,8 +22,14 @@ from typing import Any
 
 from rollcall.orchestrator.config import InputLimitsConfig, ToolSandboxConfig
 from rollcall.tasks import registry
+from rollcall.workers.episode.chat import chat_for
+from rollcall.workers.episode.play import player
+from rollcall.workers.episode.tools import ToolRunner
+from rollcall.workers.episode.trajectory import Limits
 from rollcall.workers.episode.usercode import UserCodeError
 from rollcall.workers.rollout.engines.batching import BatchingEngine
+from rollcall.workers.rollout.engines.hf import HFEngine
+from rollcall.workers.weights import wait_published
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +65,6 @@ class Evaluator:
     ) -> None:
         import torch
 
-        from rollcall.workers.rollout.engines.hf import HFEngine
-
         torch.set_num_threads(threads)
         self.hf = HFEngine(model_dir, seed=seed)
         self.engine = BatchingEngine(self.hf, max_batch=concurrency)
@@ -69,8 +73,6 @@ class Evaluator:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.seed = seed
-        from rollcall.workers.episode.chat import chat_for
-        from rollcall.workers.episode.tools import ToolRunner
 
         self.chat = chat_for(self.hf.tokenizer, tool_format, chat_template)
         # One tool process per concurrent episode, reused by the episodes that follow (as a
@@ -109,12 +111,7 @@ class Evaluator:
         """The rewards of ``samples`` episodes of each held-out prompt 0..episodes-1 per task
         (per prompt, per sample), under ``version``; sample 0 is the episode ``evaluate``
         plays."""
-        from rollcall.workers.episode.play import player
-        from rollcall.workers.episode.trajectory import Limits
-
         if location is not None and version != self.engine.version:
-            from rollcall.workers.weights import wait_published
-
             wait_published(location)  # written in the background (collective transport)
             self.engine.load_weights(version, location)
 

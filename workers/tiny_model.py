@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from rollcall.orchestrator.folders import replace_folder
+from rollcall.tasks import registry
+from rollcall.tasks.retrieval import NAMES
+from rollcall.workers.episode.chat import END, ROLLCALL_TEMPLATE, SPECIAL_TOKENS, prompt_text
+from rollcall.workers.warmstart import episode
 
 PAD = "<|pad|>"
 
@@ -31,10 +35,6 @@ COPY_SPLIT = r"\p{L}+|\p{N}|\s+|[^\s\p{L}\p{N}]+"
 def corpus_lines(n_per_task: int = 300) -> Iterator[str]:
     """Text the tokenizer is trained on: task statements and the oracle's solved episodes
     (tool calls, observations, answers) of every built-in task that has an oracle."""
-    from rollcall.tasks import registry
-    from rollcall.workers.episode.chat import prompt_text
-    from rollcall.workers.warmstart import episode
-
     for name, info in registry.available().items():
         if info.source in ("benchmark", "agent"):  # timing models; the user's own agents
             continue
@@ -66,8 +66,6 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
     )
     from transformers import PreTrainedTokenizerFast
 
-    from rollcall.workers.episode.chat import END, ROLLCALL_TEMPLATE, SPECIAL_TOKENS
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -85,7 +83,6 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
     tok.train_from_iterator(list(corpus_lines()), trainer=trainer)
     # Every place name of the retrieval task is one token (whole words only): the tiny model
     # copies one token from a question or a document reliably, a run of letters it does not.
-    from rollcall.tasks.retrieval import NAMES
 
     tok.add_tokens([AddedToken(n, single_word=True) for n in NAMES])
     fast = PreTrainedTokenizerFast(

@@ -20,7 +20,9 @@ from typing import Any
 
 from rollcall.tasks import registry
 from rollcall.tasks.base import TaskPlugin, TaskSpec, ToolError
+from rollcall.tasks.retrieval import NAMES, WORDS, RetrievalSpec, normalise
 from rollcall.workers.episode.chat import END, Answer, observation_text, parse_turn, prompt_text
+from rollcall.workers.evaluation import EvalTask, Evaluator
 
 Oracle = Callable[[str | None], str]
 
@@ -74,8 +76,6 @@ def make_oracle(task: str, prompt: dict[str, Any], spec: TaskSpec) -> Oracle:
 
 def _quote(answer: str, document: str) -> str:
     """The answer as the document writes it ("36,800" for 36800), else as given."""
-    from rollcall.tasks.retrieval import normalise
-
     for word in re.findall(r"\w[\w,]*\w|\w", document):
         if normalise(word) == normalise(answer):
             return word
@@ -182,8 +182,6 @@ def warm_sources(tasks: tuple[str, ...], *, corpora: int = 4) -> list[tuple[Task
         spec = plugin.Spec()
         out.append((plugin, spec))
         if name == "retrieval":
-            from rollcall.tasks.retrieval import RetrievalSpec
-
             assert isinstance(spec, RetrievalSpec)
             for k in range(1, corpora):
                 other = spec.model_copy(update={"corpus_seed": spec.corpus_seed + k})
@@ -200,8 +198,6 @@ def copy_drills(tokenizer: Any, n: int, seed: int) -> list[Transcript]:
     Random items in random order teach the model to copy what the context holds (the skill
     every retrieval step and every calculator expression needs) instead of writing a likely
     name, word or number."""
-    from rollcall.tasks.retrieval import NAMES, WORDS
-
     rng = random.Random(f"copy-drills:{seed}")
 
     def item() -> str:
@@ -332,8 +328,6 @@ def evaluate_rewards(
 ) -> dict[str, float]:
     """Mean reward per task on held-out prompts (``rollcall.workers.evaluation.Evaluator``: seeded
     per episode, so deterministic for the weights), each task with its default spec."""
-    from rollcall.workers.evaluation import EvalTask, Evaluator
-
     evaluator = Evaluator(
         model_dir, max_tokens_per_turn=max_tokens_per_turn, temperature=temperature, seed=seed
     )

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rollcall.workers import lora as adapters
 from rollcall.workers.lora import ADAPTER_FILE  # a LoRA version's file
 
 WEIGHTS_FILE = "model.safetensors"
@@ -71,8 +72,6 @@ def publish_adapter(
 ) -> str:
     """A LoRA version: only the adapter (``state``: the adapter parameters by name) and its
     peft config, in the version's folder."""
-    from rollcall.workers import lora as adapters
-
     meta = {**(metadata or {}), "version": str(version)}
     config = adapters.config_dict(lora, base_model)
     return publish_with(

@@ -20,6 +20,8 @@ from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rollcall.orchestrator.db import jsontext
+from rollcall.orchestrator.db.embedded import EmbeddedPostgres
+from rollcall.orchestrator.db.migrate import verify_at_head
 from rollcall.orchestrator.db.repos.batches import BatchRepository
 from rollcall.orchestrator.db.repos.episodes import EpisodeRepository
 from rollcall.orchestrator.db.repos.events import EventRepository
@@ -148,7 +150,6 @@ class Database:
             ) from None
 
     def verify_schema(self) -> None:
-        from rollcall.orchestrator.db.migrate import verify_at_head
 
         with self.engine.connect() as conn:
             verify_at_head(conn)
@@ -202,12 +203,7 @@ def open_database(
 ) -> Database:
     """Resolve, (start,) connect and, unless told otherwise, verify the schema is at head."""
     target = resolve_database(explicit_url, config_url, home)
-    if target.url is None:
-        from rollcall.orchestrator.db.embedded import EmbeddedPostgres
-
-        raw = EmbeddedPostgres(target.home).ensure_running()
-    else:
-        raw = target.url
+    raw = EmbeddedPostgres(target.home).ensure_running() if target.url is None else target.url
     db = Database(
         normalise_url(raw),
         target,

@@ -13,6 +13,7 @@ from typing import Any
 from rollcall.orchestrator import procfs
 from rollcall.orchestrator.db.engine import Database
 from rollcall.orchestrator.errors import ConflictError, NotFoundError
+from rollcall.orchestrator.runner.lifecycle import refuse
 
 # how long a new run waits for the driver lock of a driver that was just killed to go
 DRIVER_GONE_GRACE_S = 10.0
@@ -58,7 +59,5 @@ def refuse_early(db: Database, name: str, *, resume: bool, actor: str) -> None:
         with db.transaction() as tx:
             running = running if tx.jobs.driver_alive(running) else None
     if running is not None:  # another driver runs it (the lock would refuse this one)
-        from rollcall.orchestrator.runner.lifecycle import refuse
-
         info = {"pid": os.getpid(), "host": socket.gethostname(), "actor": actor}
         raise refuse(db, running, name, actor, info)

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from rollcall.orchestrator.config import WeightsConfig
+from rollcall.workers import collective
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,6 @@ class Broadcaster:
     def run(self, version: int, trainer: Any, members: list[tuple[str, Any]]) -> dict[str, Any]:
         """Broadcast ``version`` to ``members`` ((name, actor) pairs); what happened."""
         import ray
-
-        from rollcall.workers import collective
 
         base = trainer.weights_offer()
         t0 = time.monotonic()

@@ -42,7 +42,7 @@ from rollcall.orchestrator.buffer.trainer import TrainerBuffer
 from rollcall.orchestrator.config import RollcallConfig, read_chat_template
 from rollcall.orchestrator.db.engine import Database
 from rollcall.orchestrator.db.notify import GroupsListener
-from rollcall.orchestrator.domain import JobStatus
+from rollcall.orchestrator.domain import JobStatus, WorkerStatus
 from rollcall.orchestrator.errors import DriverFencedError, TasksPausedError, UserError
 from rollcall.orchestrator.quotas import BatchPolicy
 from rollcall.orchestrator.runner import admission, raystart, scheduler
@@ -52,6 +52,7 @@ from rollcall.orchestrator.runner.drift import IsWeightWatch
 from rollcall.orchestrator.runner.dynamic import DynamicSampler
 from rollcall.orchestrator.runner.evals import Evaluations
 from rollcall.orchestrator.runner.lifecycle import JobLifecycle
+from rollcall.orchestrator.runner.metrics import start_exporter
 from rollcall.orchestrator.runner.nodes import NodeReports, make_node, make_supervisor, node_config
 from rollcall.orchestrator.runner.outcome import RunResult, job_end
 from rollcall.orchestrator.runner.progress import Pace, Progress, Snapshot
@@ -60,6 +61,8 @@ from rollcall.orchestrator.runner.stalls import StallChecks
 from rollcall.orchestrator.runner.trainer_control import TrainerControl, is_trainer_failure
 from rollcall.orchestrator.runner.trainstep import broadcast_version, train_step
 from rollcall.orchestrator.runner.usererrors import UserErrorReport
+from rollcall.orchestrator.services.jobs import create_job
+from rollcall.orchestrator.services.tasks import check_agent_tasks, ensure_tasks
 
 if TYPE_CHECKING:
     from rollcall.workers.rollout.node import NodeConfig
@@ -131,8 +134,6 @@ class JobDriver:
     # -- set-up -------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        from rollcall.orchestrator.services.jobs import create_job
-        from rollcall.orchestrator.services.tasks import check_agent_tasks, ensure_tasks
 
         cfg = self.cfg
         sync = cfg.run.mode == "sync"
@@ -235,8 +236,6 @@ class JobDriver:
         """Work a previous driver of this job left behind goes through the normal paths: its
         workers' leases are requeued (the next claimer resumes from the checkpoints), and a
         batch claimed but not committed returns to ``ready``, reserved for the same step."""
-        from rollcall.orchestrator.domain import WorkerStatus
-
         for w in self.control_buffer.node_health():
             if w["status"] in ("starting", "alive"):
                 self.control_buffer.requeue_worker(w["id"], WorkerStatus.DEAD)
@@ -325,7 +324,6 @@ class JobDriver:
         control.seed()
 
     def _start_metrics(self) -> None:
-        from rollcall.orchestrator.runner.metrics import start_exporter
 
         self.metrics = start_exporter(
             self.cfg,
@@ -526,7 +524,6 @@ class JobDriver:
     # -- teardown -----------------------------------------------------------------------------
 
     def _stop_nodes(self) -> None:
-        from rollcall.orchestrator.domain import WorkerStatus
 
         if self.supervisor is None:
             return

@@ -27,6 +27,7 @@ from rollcall.orchestrator.buffer.trainer import TrainerBuffer
 from rollcall.orchestrator.buffer.types import DYNAMIC_CLAIMS, Batch
 from rollcall.orchestrator.domain import BatchGroup
 from rollcall.orchestrator.errors import JobFailedError
+from rollcall.workers.trainer.batch import trained_rewards, with_variance
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,6 @@ class DynamicSampler:
         waits for rollout to finish up to ``n`` groups (and checks that something still can);
         None when a stop was requested meanwhile: the step's reservation stays, replayed by
         ``--resume``."""
-        from rollcall.workers.trainer.batch import with_variance
-
         shaping = self.shaping
         wanted = self.batch_groups
         groups = list(batch.groups)
@@ -110,8 +109,6 @@ class DynamicSampler:
     def _limit(self, step: int, groups: Sequence[BatchGroup], claims: int) -> None:
         """``max_claims`` reached short of a full batch: say so, naming each task that produced
         no group with variance; with nothing to train, stop the job."""
-        from rollcall.workers.trainer.batch import trained_rewards
-
         shaped, _, _ = trained_rewards(groups, self.shaping)
         by_task: dict[str, list[list[float]]] = {}
         for g, rewards in zip(groups, shaped, strict=True):

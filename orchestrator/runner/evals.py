@@ -13,6 +13,7 @@ from rollcall.orchestrator.config import EvalConfig, RollcallConfig
 from rollcall.orchestrator.evalstats import pass_rates
 from rollcall.orchestrator.runner.progress import Snapshot
 from rollcall.orchestrator.runner.rundir import RunDir
+from rollcall.workers.evaluation import EvalTask, evaluator_actor
 from rollcall.workers.weights import pin, unpin, unpin_all
 
 
@@ -60,8 +61,6 @@ class Evaluations:
     def start(self) -> None:
         """The evaluator asks Ray for no resources (``num_cpus=0``), so it takes no reserved
         slot and always has somewhere to go."""
-        from rollcall.workers.evaluation import evaluator_actor
-
         if self.cfg.run.eval.episodes == 0:  # no evaluation (e.g. a benchmark's timing model)
             return
         r = self.cfg.rollout
@@ -78,7 +77,6 @@ class Evaluations:
         )
 
     def evaluate(self, step: int, location: str | None) -> None:
-        from rollcall.workers.evaluation import EvalTask
 
         if self.evaluator is None:
             return

@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from rollcall.orchestrator.config import RollcallConfig
 from rollcall.orchestrator.db.engine import Database
+from rollcall.orchestrator.db.retry import is_transient
 from rollcall.orchestrator.domain import SLOT_STATES
 from rollcall.orchestrator.errors import UserError
 from rollcall.orchestrator.services.status import (
@@ -305,8 +306,6 @@ class MetricsExporter(Collector):
 
     def refresh(self) -> None:
         """Collect from the database (and the rollout nodes); never raises."""
-        from rollcall.orchestrator.db.retry import is_transient
-
         try:
             with self.db.transaction() as tx:
                 if self._seen_step is None:

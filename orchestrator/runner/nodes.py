@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
 from rollcall.orchestrator.config import BufferConfig, RollcallConfig
+from rollcall.orchestrator.runner.supervisor import Supervisor
+from rollcall.workers.episode.trajectory import Limits
+from rollcall.workers.rollout.node import NodeConfig, rollout_actor
 
 if TYPE_CHECKING:
     from rollcall.workers.rollout.node import NodeConfig
@@ -28,9 +31,6 @@ def node_config(
     engine_hook: str | None = None,
 ) -> NodeConfig:
     """The ``NodeConfig`` of rollout slot ``index``, from the job's config."""
-    from rollcall.workers.episode.trajectory import Limits
-    from rollcall.workers.rollout.node import NodeConfig
-
     r = cfg.rollout
     return NodeConfig(
         name=f"rollout-{index}",
@@ -73,8 +73,6 @@ def make_node(
     strategy: Any = None,
 ) -> Any:
     """A rollout slot's actor, in its placement group's bundle (``strategy``)."""
-    from rollcall.workers.rollout.node import rollout_actor
-
     r = cfg.rollout
     actor = rollout_actor(
         num_cpus=r.cpus_per_node,
@@ -138,8 +136,6 @@ def make_supervisor(
 ) -> Any:
     """The rollout nodes' supervisor (``supervisor.py``), with the config's fleet and budgets;
     ``start_node(index, strategy)`` starts a slot's actor."""
-    from rollcall.orchestrator.runner.supervisor import Supervisor
-
     r = cfg.rollout
     return Supervisor(
         buffer,

@@ -14,7 +14,9 @@ from rich.console import Console
 from rollcall.orchestrator import rayauth
 from rollcall.orchestrator.config import RollcallConfig
 from rollcall.orchestrator.errors import UserError
-from rollcall.orchestrator.runner import raylog
+from rollcall.orchestrator.runner import raylog, raynodes
+from rollcall.orchestrator.runner.placement import group_state
+from rollcall.orchestrator.runner.placement import reserve as reserve_slots
 
 # A local Ray's own log files (raylet, GCS, each worker's output under
 # /tmp/ray/session_*/logs) rotate at this size with this many older files kept; Ray's default
@@ -96,8 +98,6 @@ def reserve(cfg: RollcallConfig, console: Console) -> Any:
     """Reserve every trainer rank's and rollout node's slot before starting any (placement
     groups, ``orchestrator/runner/placement.py``); a job the cluster cannot hold is refused
     with one sentence, before the job writes anything."""
-    from rollcall.orchestrator.runner.placement import reserve as reserve_slots
-
     placement = reserve_slots(cfg, timeout_s=cfg.ray.placement_timeout_s)
     console.print(placed(placement), markup=False)
     return placement
@@ -105,9 +105,6 @@ def reserve(cfg: RollcallConfig, console: Console) -> Any:
 
 def placed(p: Any) -> str:
     """One line: which Ray node holds the trainer's and each rollout slot's bundles."""
-    from rollcall.orchestrator.runner import raynodes
-    from rollcall.orchestrator.runner.placement import group_state
-
     table = raynodes.nodes()
     where: dict[str, list[str]] = {}
     for name, group in [("trainer", p.group)] + [

@@ -31,6 +31,7 @@ import yaml
 
 from rollcall.orchestrator.bounds import LOG_BACKUPS_DEFAULT, LOG_MB_DEFAULT
 from rollcall.orchestrator.evalstats import mean_interval
+from rollcall.orchestrator.runner.trackers import open_trackers
 from rollcall.orchestrator.settings import mask_url
 
 if TYPE_CHECKING:
@@ -123,8 +124,6 @@ class RunDir:
     def start_trackers(self, run: RunConfig, job: str, say: Callable[[str], None]) -> None:
         """Start ``run.trackers`` (orchestrator/runner/trackers.py) and give them the config
         written last; from now on every appended record goes to them too."""
-        from rollcall.orchestrator.runner.trackers import open_trackers
-
         self.trackers = open_trackers(run.trackers, run.tracking, self.root, job=job, say=say)
         if self._config is not None:
             self.trackers.config(*self._config)

@@ -8,6 +8,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from rollcall.orchestrator.runner.metrics import MissedRuns
+
 if TYPE_CHECKING:
     from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
     from rollcall.orchestrator.config import RollcallConfig
@@ -43,8 +45,6 @@ def make_scheduler() -> tuple[Any, Any]:
     """A background scheduler with the control plane's job defaults (not started), and its
     dropped runs' count (``metrics.MissedRuns``)."""
     from apscheduler.schedulers.background import BackgroundScheduler
-
-    from rollcall.orchestrator.runner.metrics import MissedRuns
 
     # A pass that overlaps the previous one of the same job is skipped by design
     # (max_instances=1: e.g. supervision while a node starts); APScheduler warns about

@@ -9,7 +9,9 @@ from typing import Any
 
 from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
 from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.domain import TaskStatus, paused_sentence
 from rollcall.orchestrator.errors import JobFailedError, TasksPausedError
+from rollcall.orchestrator.runner.placement import rollout_bundle
 from rollcall.orchestrator.runner.usererrors import UserErrorReport
 
 # How often the wait for a batch looks whether every task is paused (check_tasks_left)
@@ -28,8 +30,6 @@ class StallChecks:
         waited = sup.book.waiting_for_capacity() if sup is not None else None
         limit = self.cfg.rollout.capacity_wait_s
         if waited is not None and waited > limit:
-            from rollcall.orchestrator.runner.placement import rollout_bundle
-
             bundle = ", ".join(f"{v:g} {k}" for k, v in rollout_bundle(self.cfg).items())
             self.buffer.event(
                 "job.no_capacity",
@@ -71,8 +71,6 @@ class StallChecks:
         nothing will fill a batch. The job stops with the reasons (after the last user-code
         errors are shown: ``user_errors``); it continues with ``--resume`` once the
         tasks are resumed."""
-        from rollcall.orchestrator.domain import TaskStatus, paused_sentence
-
         now = time.monotonic()
         if now - self._tasks_checked_at < TASKS_CHECK_INTERVAL_S:
             return

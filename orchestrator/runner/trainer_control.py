@@ -14,7 +14,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from rollcall.orchestrator.domain import WorkerStatus
 from rollcall.orchestrator.errors import ConflictError
+from rollcall.workers.trainer.factory import make_trainer
+from rollcall.workers.trainer.group import TrainerStartError, TrainerTimeoutError
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -56,8 +59,6 @@ class TrainerControl:
     def start(self) -> int:
         """Start the trainer group, restored to the job's last state when it has trained
         before; returns the job's policy version (the step the trainer is at)."""
-        from rollcall.workers.trainer.factory import make_trainer
-
         cfg = self.cfg
         self.trainer = make_trainer(
             cfg.trainer,
@@ -144,8 +145,6 @@ class TrainerControl:
         against ``trainer.max_restarts`` within ``trainer.restart_window_s``; every one is an
         event (``trainer.down``, ``trainer.start_failed``, then ``trainer.restarted`` or
         ``trainer.failed``). Returns the step the new trainer is at."""
-        from rollcall.orchestrator.domain import WorkerStatus
-
         old = self.trainer
         old.kill()
         self.trainer = None
@@ -214,8 +213,6 @@ class TrainerControl:
     def _start_failure(self, e: BaseException) -> str:
         """Why a trainer start failed, with the reservation's state when the ranks were not
         placed (RESCHEDULING: a Ray node that held slots was lost, none has room for them)."""
-        from rollcall.workers.trainer.group import TrainerStartError
-
         reason = failure_reason(e)
         if isinstance(e, TrainerStartError) and not e.placed and self.placement is not None:
             reason += f" (the job's reservation is {self.placement.state()})"
@@ -232,7 +229,5 @@ def is_trainer_failure(e: BaseException) -> bool:
     did not return within ``trainer.call_timeout_s``), as opposed to a bug in the driver or
     the database being down."""
     import ray.exceptions
-
-    from rollcall.workers.trainer.group import TrainerTimeoutError
 
     return isinstance(e, ray.exceptions.RayError | TrainerTimeoutError)

@@ -12,8 +12,10 @@ from typing import Any
 
 from rollcall.orchestrator.buffer.trainer import TrainerBuffer
 from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.runner import broadcast
 from rollcall.orchestrator.runner.broadcast import Broadcaster
 from rollcall.orchestrator.runner.rundir import RunDir
+from rollcall.workers.trainer.batch import plan_step
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +34,6 @@ def train_step(
     """Train ``batch`` and commit its step; the step's record. ``collective``: the weights
     also go over collectives (``broadcast``, called after the commit with the new version);
     ``after_train``: the fault-injection hook, after the optimizer stepped."""
-    from rollcall.workers.trainer.batch import plan_step
-
     tc = cfg.trainer
     step = batch.step
     t0 = time.monotonic()
@@ -100,8 +100,6 @@ def broadcast_version(
 ) -> None:
     """Collective transport: the committed version to the live nodes (``broadcast.py``).
     Never fails the step, which is committed: whoever missed the version loads its file."""
-    from rollcall.orchestrator.runner import broadcast
-
     try:
         result = broadcaster.run(version, trainer, supervisor.book.members())
     except Exception as e:  # the trainer died: found by its next call

@@ -30,6 +30,7 @@ from rollcall.orchestrator.errors import ConflictError, NotFoundError, UserError
 from rollcall.orchestrator.quotas import BatchPolicy, QuotaInput, batch_problem
 from rollcall.orchestrator.services.jobs import require_job
 from rollcall.tasks import registry
+from rollcall.tasks.agent import AgentSpec, prompt_rows
 
 # action -> (statuses it applies to, resulting status)
 TRANSITIONS: dict[str, tuple[frozenset[TaskStatus], TaskStatus]] = {
@@ -114,8 +115,6 @@ def check_agent_tasks(
     """Agent tasks' specs checked before a job is created (their function, their prompts),
     with evaluation on, that their prompts hold held-out rows, and that their tool timeout
     stays within ``progress_room_s`` (the progress timeout less the heartbeat timeout)."""
-    from rollcall.tasks.agent import AgentSpec, prompt_rows
-
     for t in tasks:
         if t.plugin != "agent":
             continue

@@ -43,6 +43,7 @@ from rollcall.workers.episode.api import (
 )
 from rollcall.workers.episode.chat import Chat
 from rollcall.workers.episode.context import AgentContext
+from rollcall.workers.episode.endpoint import registered, shared_endpoint
 from rollcall.workers.episode.engine import Engine, GenerationRequest
 from rollcall.workers.episode.journal import CallStats
 from rollcall.workers.episode.tools import DEFAULT_TIMEOUT_S, ToolRunner
@@ -107,7 +108,6 @@ class AgentRun:
         self.abandoned = False  # a run of the function could not be cancelled: left behind
 
     def endpoint_url(self) -> str:
-        from rollcall.workers.episode.endpoint import shared_endpoint
 
         return shared_endpoint(self.endpoint_host).url
 
@@ -225,8 +225,6 @@ class AgentRun:
         ``episode_timeout_s``: past it the function is cancelled (``UserCodeError``, where it
         was waiting); a function that cannot be cancelled (its thread blocked in synchronous
         code) is abandoned ``CANCEL_GRACE_S`` later, its calls through ``ctx`` refused."""
-        from rollcall.workers.episode.endpoint import registered
-
         given = getattr(self.spec, "episode_timeout_s", None)  # a plugin's episodes: none
         timeout = None if given is None else float(given)
         expired: list[BaseException] = []

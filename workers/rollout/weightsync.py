@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from rollcall.orchestrator.buffer.rollout import RolloutBuffer
+from rollcall.workers import collective
 from rollcall.workers.episode.engine import EngineFailure
 from rollcall.workers.rollout.breaker import Breaker
 from rollcall.workers.rollout.enginehost import EngineHost
@@ -116,8 +117,6 @@ class WeightSync:
         in place (the engine's lock, as a file load). A broadcast that fails here leaves the
         engine's weights as they were and the version to its file (at the node's next weight
         check). Returns what happened: ``{"loaded": bool, "error": str | None, ...}``."""
-        from rollcall.workers import collective
-
         base = self.host.base
         # A member always takes part (the group needs every rank), also when it has the
         # version already (from its file, after a failed attempt): it then only discards it.

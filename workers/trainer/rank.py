@@ -23,9 +23,24 @@ from pathlib import Path
 from typing import Any
 
 from rollcall.orchestrator.algorithms import LossConfig
+from rollcall.orchestrator.buffer.rollout import RolloutBuffer
 from rollcall.orchestrator.config import LoRAConfig
+from rollcall.orchestrator.db.engine import open_database
+from rollcall.orchestrator.domain import WorkerRole, WorkerStatus
+from rollcall.workers import collective
+from rollcall.workers import lora as adapters
+from rollcall.workers.lora import inject, is_adapter, read_adapter
 from rollcall.workers.trainer.batch import TrainSequence
+from rollcall.workers.trainer.forward import token_logprobs
 from rollcall.workers.trainer.grpo import LossStats, agreement_stats, needs_proximal, policy_loss
+from rollcall.workers.trainer.packing import pack
+from rollcall.workers.weights import (
+    WEIGHTS_FILE,
+    publish,
+    publish_adapter,
+    read_metadata,
+    version_dir,
+)
 
 
 @dataclass(frozen=True)
@@ -145,8 +160,6 @@ class TrainerRank:
             # device first.
             m: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             if train and s.lora is not None:  # adapters in place; the base frozen
-                from rollcall.workers.lora import inject
-
                 inject(m, s.lora)
             if train and s.activation_checkpointing:
                 m.gradient_checkpointing_enable(
@@ -193,10 +206,6 @@ class TrainerRank:
         if s.database_url is None or s.job_id is None:
             return
         import ray
-
-        from rollcall.orchestrator.buffer.rollout import RolloutBuffer
-        from rollcall.orchestrator.db.engine import open_database
-        from rollcall.orchestrator.domain import WorkerRole
 
         db = open_database(s.database_url, pool_size=1, idle_tx_timeout_s=s.db_idle_tx_timeout_s)
         self.buffer = RolloutBuffer(db, s.job_id)
@@ -290,9 +299,6 @@ class TrainerRank:
     def _forward(self, micro: list[TrainSequence], *, grad: bool, model: Any = None) -> Any:
         import torch
 
-        from rollcall.workers.trainer.forward import token_logprobs
-        from rollcall.workers.trainer.packing import pack
-
         model = model or self.model
         seqs = [s.token_ids.tolist() for s in micro] or [[0]]
         packed = pack(seqs, device=self.device)
@@ -370,8 +376,6 @@ class TrainerRank:
         ``background`` (the collective transport) rank 0 keeps the tensors for ``broadcast``
         and writes the file on a thread, off the step's critical path: the location returned
         holds the version once the write is done (readers see all of it or nothing)."""
-        from rollcall.workers.weights import publish, publish_adapter, version_dir
-
         s = self.settings
         if s.lora is not None:  # only the adapter (the collective transport is refused)
             adapter = self.adapter_state_dict()
@@ -421,8 +425,6 @@ class TrainerRank:
     def weights_offer(self) -> dict[str, Any] | None:
         """Rank 0: what a broadcast of the last published version carries (its rendezvous,
         the tensors in order); None on other ranks or before a background publication."""
-        from rollcall.workers import collective
-
         if self.rank != 0 or self._staged is None:
             return None
         if self._rendezvous is None:
@@ -441,8 +443,6 @@ class TrainerRank:
         """Rank 0: broadcast the staged version to the offer's group; the seconds it took.
         Raises ``BroadcastFailed`` when a member failed (the group is aborted; this process
         goes on)."""
-        from rollcall.workers import collective
-
         assert self._staged is not None and self._staged[0] == offer["version"]
         return collective.send(self._rendezvous, collective.Offer.from_json(offer), self._staged[1])
 
@@ -514,9 +514,6 @@ class TrainerRank:
             set_model_state_dict,
         )
 
-        from rollcall.workers.lora import is_adapter, read_adapter
-        from rollcall.workers.weights import WEIGHTS_FILE, read_metadata
-
         recorded = read_metadata(location).get("updates")
         updates = int(recorded) if recorded is not None else updates
         if is_adapter(location):  # LoRA: the adapters only; the base never moved
@@ -555,8 +552,6 @@ class TrainerRank:
             return None
         lora = self.settings.lora
         if lora is not None:  # the adapter beside the merged model
-            from rollcall.workers import lora as adapters
-
             (Path(out) / "adapter").mkdir(parents=True, exist_ok=True)
             adapters.write_adapter(
                 {k: v for k, v in sd.items() if adapters.is_adapter_param(k)},
@@ -581,8 +576,6 @@ class TrainerRank:
         with contextlib.suppress(Exception):  # the last version's file, if still being written
             self.wait_for_files()
         if self.worker_id is not None:
-            from rollcall.orchestrator.domain import WorkerStatus
-
             self.buffer.requeue_worker(self.worker_id, WorkerStatus.STOPPED)
         if dist.is_initialized():
             dist.destroy_process_group()

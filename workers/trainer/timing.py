@@ -28,8 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollcall.orchestrator.buffer.rollout import RolloutBuffer
 from rollcall.orchestrator.config import TimingTrainerConfig, TrainerConfig
+from rollcall.orchestrator.db.engine import open_database
+from rollcall.orchestrator.domain import WorkerRole, WorkerStatus
 from rollcall.workers.trainer.batch import StepPlan, TrainSequence
+from rollcall.workers.trainer.group import TrainerStartError, wait_placed
 from rollcall.workers.weights import publish_with
 
 HEARTBEAT_INTERVAL_S = 2.0
@@ -71,9 +75,6 @@ class TimingTrainerRank:
         return {"rank": 0, "pid": os.getpid(), "worker_id": self.worker_id}
 
     def _register(self, database_url: str, job_id: int) -> None:
-        from rollcall.orchestrator.buffer.rollout import RolloutBuffer
-        from rollcall.orchestrator.db.engine import open_database
-        from rollcall.orchestrator.domain import WorkerRole
 
         db = open_database(database_url, pool_size=1, idle_tx_timeout_s=self.db_idle_tx_timeout_s)
         self.buffer = RolloutBuffer(db, job_id)
@@ -136,8 +137,6 @@ class TimingTrainerRank:
     def shutdown(self) -> None:
         self._stop.set()
         if self.worker_id is not None and self.buffer is not None:
-            from rollcall.orchestrator.domain import WorkerStatus
-
             self.buffer.requeue_worker(self.worker_id, WorkerStatus.STOPPED)
 
 
@@ -159,8 +158,6 @@ class TimingTrainerGroup:
         db_idle_tx_timeout_s: float = 60.0,
     ) -> None:
         import ray
-
-        from rollcall.workers.trainer.group import TrainerStartError, wait_placed
 
         assert config.timing_model is not None
         self.config = config

@@ -11,6 +11,9 @@ from rollcall.orchestrator.config import (
     VLLMEngineConfig,
 )
 from rollcall.workers.episode.engine import Engine
+from rollcall.workers.rollout.engines.hf import HFEngine
+from rollcall.workers.rollout.engines.timing import TimingEngine
+from rollcall.workers.rollout.engines.vllm import VLLMEngine
 
 
 def preload(config: EngineConfig) -> None:
@@ -39,16 +42,12 @@ def make_engine(
     ``lora_rank``: the trainer publishes LoRA adapters of that rank (vLLM must know at start;
     the ``hf`` engine takes them as they come)."""
     if isinstance(config, TimingEngineConfig):  # no torch: a benchmark's timing model
-        from rollcall.workers.rollout.engines.timing import TimingEngine
-
         return TimingEngine(config, model_dir, seed=seed)
     if threads > 0:
         import torch
 
         torch.set_num_threads(threads)
     if isinstance(config, HFEngineConfig):
-        from rollcall.workers.rollout.engines.hf import HFEngine
-
         return HFEngine(
             model_dir,
             device=config.device,
@@ -57,7 +56,5 @@ def make_engine(
             dtype=config.dtype,
         )
     if isinstance(config, VLLMEngineConfig):
-        from rollcall.workers.rollout.engines.vllm import VLLMEngine
-
         return VLLMEngine(model_dir, config, seed=seed, lora_rank=lora_rank)
     raise TypeError(f"unknown engine config {config!r}")  # pragma: no cover

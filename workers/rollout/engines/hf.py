@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from rollcall.workers import lora
 from rollcall.workers.episode.engine import (
     EngineHealth,
     Generation,
@@ -34,6 +35,7 @@ from rollcall.workers.episode.engine import (
     seeded,
 )
 from rollcall.workers.rollout.engines.kvstore import KVEntry, KVStore
+from rollcall.workers.weights import copy_into, load_into
 
 DEFAULT_KV_CACHE_TOKENS = 65_536
 Source = tuple[KVEntry | None, int]  # a row's cached prefix: the entry holding it, its length
@@ -301,8 +303,6 @@ class HFEngine:
             self.kv.put(entry, supersedes=matches[i][0] if extends[i] else None)
 
     def load_weights(self, version: int, location: str) -> None:
-        from rollcall.workers import lora
-        from rollcall.workers.weights import load_into
 
         with self._lock:
             try:
@@ -317,8 +317,6 @@ class HFEngine:
 
     def load_state(self, version: int, state: dict[str, Any]) -> None:
         """``load_weights`` from tensors in memory (a broadcast's, collective transport)."""
-        from rollcall.workers.weights import copy_into
-
         with self._lock:
             try:
                 copy_into(self.model, state, f"version {version} as received")

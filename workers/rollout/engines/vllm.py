@@ -88,6 +88,7 @@ from typing import Any, TypeVar
 from rollcall.orchestrator import procfs
 from rollcall.orchestrator.config import VLLMEngineConfig
 from rollcall.orchestrator.engineprocs import kill_engine_processes
+from rollcall.workers import collective
 from rollcall.workers.episode.engine import (
     EngineFailure,
     EngineHealth,
@@ -103,6 +104,7 @@ from rollcall.workers.rollout.engines.vllm_start import (
     engine_kwargs,
     socket_dir,
 )
+from rollcall.workers.weights import ADAPTER_FILE, weights_file
 
 RESET_ATTEMPTS = 20  # reset_prefix_cache returns False while blocks are still in use ...
 RESET_RETRY_S = 0.05  # ... which right after the last request finished is a matter of a step
@@ -281,7 +283,6 @@ class VLLMEngine:
         )
 
     def load_weights(self, version: int, location: str) -> None:
-        from rollcall.workers.weights import ADAPTER_FILE, weights_file
 
         path = weights_file(location)  # the adapter (LoRA) or the weights
         if not path.is_file():  # pruned or never written: the node waits for the next version
@@ -296,8 +297,6 @@ class VLLMEngine:
         (``rollcall.workers.collective.Offer``) and loads the version in place, under the same gate
         as a file load. Raises ``BroadcastFailed`` when the broadcast did not complete (the
         weights untouched: the engine serves on with its current version)."""
-        from rollcall.workers import collective
-
         rounds = len(collective.buckets(offer.tensors, offer.bucket_bytes)) + 2
         timeout = max(self.config.load_timeout_s, offer.timeout_s * rounds)
         self._call(
@@ -496,7 +495,6 @@ class VLLMEngine:
             self._version = version
 
     async def _receive(self, offer: Any, who: str, address: str) -> None:
-        from rollcall.workers import collective
 
         async with self._gate.exclusive():
             try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rollcall.orchestrator import procfs
+from rollcall.workers import collective
 
 WEIGHTS_FILE = "model.safetensors"  # what ``rollcall.workers.weights.publish`` writes
 
@@ -42,8 +43,6 @@ class RollcallWorkerExtension:
         staging memory, then load it as ``rollcall_load_weights`` does. A broadcast that does
         not complete returns ``{"error": ...}`` with the model untouched; a load that fails
         raises (the engine's weights may then be half replaced)."""
-        from rollcall.workers import collective
-
         o = collective.Offer.from_json(offer)
         device = "cuda" if o.backend == "nccl" else "cpu"
         try:
