@@ -13,7 +13,6 @@ import contextlib
 import time
 from typing import TYPE_CHECKING
 
-from rollcall.orchestrator.domain import WorkerStatus
 from rollcall.orchestrator.runner.slots import Slot
 
 if TYPE_CHECKING:
@@ -50,14 +49,14 @@ class Fleet:
             slot.group = self.sup.placement.new_slot(slot.name)
             slot.quiet_until = time.monotonic() + RESCHEDULE_GRACE_S
             self.sup.slots.append(slot)
-            self.sup._set(slot, "waiting_capacity", "added: waits for Ray to place it")
+            self.sup.set_state(slot, "waiting_capacity", "added: waits for Ray to place it")
             self.sup.buffer.event(
                 "worker.added",
                 f"{slot.name} added: the job scaled to {target} rollout nodes",
                 {"slot": slot.name, "target": target},
             )
             self.sup.say(f"{slot.name}: added (the job scaled to {target} rollout nodes)")
-            self.sup._place(slot, now)
+            self.sup.place(slot, now)
         extra = len(live) - target
         order = sorted(live, key=lambda s: (not s.failed, -s.index))
         for slot in order[: max(0, extra)]:
@@ -84,7 +83,7 @@ class Fleet:
         self.sup.say(
             f"{slot.name}: draining ({why}): finishing its turns, giving its episodes back"
         )
-        self.sup._set(slot, "draining", why)
+        self.sup.set_state(slot, "draining", why)
 
     def drained(self, slot: Slot, now: float) -> None:
         import ray
@@ -96,12 +95,7 @@ class Fleet:
         if done and slot.run_ref is not None:
             with contextlib.suppress(Exception):  # it ended with an error: no report
                 self.sup.final_reports.append(ray.get(slot.run_ref, timeout=0))
-        if slot.worker_id is not None:  # whatever it still holds goes back (not counted)
-            self.sup.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD, counted=False)
-        with contextlib.suppress(Exception):
-            ray.kill(slot.actor, no_restart=True)
-        slot.actor = slot.run_ref = slot.worker_ref = None
-        slot.up = False
+        self.sup.end_incarnation(slot, counted=False)  # whatever it still holds goes back
         self.sup.buffer.event(
             "worker.drained",
             f"{slot.name} drained{note}",
@@ -114,19 +108,14 @@ class Fleet:
         self.regroup(slot)
         slot.next_start_at = 0.0
         slot.said_waiting = False
-        self.sup._set(slot, "waiting_capacity", "moved off its draining machine")
-        self.sup._place(slot, now)
+        self.sup.set_state(slot, "waiting_capacity", "moved off its draining machine")
+        self.sup.place(slot, now)
 
     def removed(self, slot: Slot) -> None:
-        import ray
-
-        with contextlib.suppress(Exception):
-            ray.kill(slot.actor, no_restart=True)
-        if slot.worker_id is not None and slot.actor is not None:
-            self.sup.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD, counted=False)
-        slot.actor = slot.run_ref = slot.worker_ref = None
+        if slot.actor is not None:  # else its last incarnation has ended already
+            self.sup.end_incarnation(slot, counted=False)
         slot.up = False
         if self.sup.placement is not None:
             self.sup.placement.drop(slot.group)
         self.sup.buffer.event("worker.removed", f"{slot.name} removed", {"slot": slot.name})
-        self.sup._set(slot, "removed", "the job scaled down")
+        self.sup.set_state(slot, "removed", "the job scaled down")

@@ -53,6 +53,7 @@ from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
 from rollcall.orchestrator.domain import WorkerStatus
 from rollcall.orchestrator.runner import raynodes
 from rollcall.orchestrator.runner.fleet import RESCHEDULE_GRACE_S, Fleet
+from rollcall.orchestrator.runner.placement import group_state, strategy
 from rollcall.orchestrator.runner.slots import (
     MACHINE,
     OWN,
@@ -124,7 +125,7 @@ class Supervisor:
         self._nodes = raynodes.nodes() if placement is not None else None
         self.fleet = Fleet(self)
         for slot in self.slots:
-            self._place(slot, time.monotonic())
+            self.place(slot, time.monotonic())
 
     # -- a pass -------------------------------------------------------------------------------
 
@@ -156,7 +157,7 @@ class Supervisor:
                     self._judge(slot, now)
                 elif slot.state in ("waiting_capacity", "restarting"):
                     if now >= slot.next_start_at:
-                        self._place(slot, now, draining)
+                        self.place(slot, now, draining)
                 else:
                     self._watch(slot, health.get(slot.name), now, draining)
             except Exception:  # the database or Ray's GCS away: the next pass tries again
@@ -187,7 +188,7 @@ class Supervisor:
                 self._down(slot, reason, judged, start_evidence=evidence)
                 return
             if slot.up:
-                self._set(slot, "alive", None)
+                self.set_state(slot, "alive", None)
                 if slot.history or slot.said_waiting:
                     self.say(f"{slot.name}: up on {self._where(slot.node_id)}")
                 sandbox = (row or {}).get("tool_sandbox")
@@ -250,23 +251,14 @@ class Supervisor:
     ) -> None:
         """An incarnation ended: requeue its leases now, then judge the death.
         ``start_evidence``: it never started (a list, empty without an error to show)."""
-        import ray
-
         node = slot.node_id
         if judged == UNKNOWN and self.placement is None:
             judged = OWN if node is None or _ray_node_alive(node) else MACHINE
         if judged == UNKNOWN and (node is None or not self._alive(node)):
             judged = MACHINE if node is not None else OWN
-        if slot.worker_id is not None:
-            # Requeue now rather than wait for the sweep (idempotent when it already ran),
-            # before the kill: should this fail, the next pass judges the same death again.
-            # A lost machine is not the episodes' doing: their attempts are not counted.
-            self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD, counted=judged != MACHINE)
-        with contextlib.suppress(Exception):  # already gone
-            ray.kill(slot.actor, no_restart=True)
+        # A lost machine is not the episodes' doing: their attempts are not counted.
         worker_id = slot.worker_id
-        slot.actor = slot.run_ref = slot.worker_ref = None
-        slot.up = False
+        self.end_incarnation(slot, counted=judged != MACHINE)
         slot.died_at = time.monotonic()
         # judged below; should that fail (its event not written: the database away past the
         # retries), the next pass judges it again instead of watching an actor that is gone
@@ -289,7 +281,7 @@ class Supervisor:
                 "probe": raynodes.probe(node),
                 "until": time.monotonic() + self.machine_verdict_s,
             }
-            self._set(slot, "awaiting_ray", reason)
+            self.set_state(slot, "awaiting_ray", reason)
             self.say(
                 f"{slot.name}: down ({reason}); waiting for Ray's word on its machine, "
                 f"{self._where(node)}, before restarting it"
@@ -361,7 +353,7 @@ class Supervisor:
         )
         slot.next_start_at = 0.0
         slot.quiet_until = time.monotonic() + RESCHEDULE_GRACE_S
-        self._set(slot, "waiting_capacity", f"its machine, {where}, was lost")
+        self.set_state(slot, "waiting_capacity", f"its machine, {where}, was lost")
         slot.said_waiting = False
 
     def _counted(self, slot: Slot, reason: str) -> None:
@@ -389,7 +381,7 @@ class Supervisor:
                 f"{self.restart_window_s:.0f} s, over its budget of {self.max_restarts} restarts "
                 f"({reason}); the job continues without it"
             )
-            self._set(slot, "failed", reason)
+            self.set_state(slot, "failed", reason)
             if self.placement is not None:
                 self.placement.drop(slot.group)  # its resources go back to the cluster
             return
@@ -411,16 +403,29 @@ class Supervisor:
             f"{slot.name}: down ({reason}); restart {slot.restarts}/{self.max_restarts} in "
             f"{delay:.1f} s"
         )
-        self._set(slot, "restarting", reason)
+        self.set_state(slot, "restarting", reason)
+
+    def end_incarnation(self, slot: Slot, *, counted: bool) -> None:
+        """End the slot's incarnation, whatever ended it: its leases requeued now rather than
+        at the sweep (idempotent when it already ran; ``counted``: as an attempt of each
+        episode), before the kill, so that should the requeue fail nothing changed and the
+        next pass ends it again; then its actor killed and its references dropped."""
+        import ray
+
+        if slot.worker_id is not None:
+            self.buffer.requeue_worker(slot.worker_id, WorkerStatus.DEAD, counted=counted)
+        with contextlib.suppress(Exception):  # already gone
+            ray.kill(slot.actor, no_restart=True)
+        slot.actor = slot.run_ref = slot.worker_ref = None
+        slot.up = False
 
     # -- placement ----------------------------------------------------------------------------
 
-    def _place(self, slot: Slot, now: float, draining: set[str] | None = None) -> None:
+    def place(self, slot: Slot, now: float, draining: set[str] | None = None) -> None:
         """Start the slot's next incarnation where its group is placed, or wait for room."""
         if self.placement is None:
             self._start(slot, None, None)
             return
-        from rollcall.orchestrator.runner.placement import group_state, strategy
 
         state, node = group_state(slot.group)
         if state == "UNKNOWN":  # Ray's GCS did not answer: no word on capacity, ask again
@@ -444,7 +449,7 @@ class Supervisor:
             self._start(slot, strategy(slot.group), node)
             return
         if slot.state != "waiting_capacity":
-            self._set(slot, "waiting_capacity", "no machine has room for its slot")
+            self.set_state(slot, "waiting_capacity", "no machine has room for its slot")
         if not slot.said_waiting and now >= slot.quiet_until:
             slot.said_waiting = True
             up = sum(1 for s in self.slots if s.state in ("alive", "starting"))
@@ -480,7 +485,7 @@ class Supervisor:
         slot.started_at = time.monotonic()
         if slot.history and slot.history[-1]["counted"]:
             self.say(f"{slot.name}: restarted (restart {slot.restarts})")
-        self._set(slot, "starting", None)
+        self.set_state(slot, "starting", None)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -495,7 +500,7 @@ class Supervisor:
     def _where(self, node: str | None) -> str:
         return raynodes.host(self._nodes, node)
 
-    def _set(self, slot: Slot, state: str, reason: str | None) -> None:
+    def set_state(self, slot: Slot, state: str, reason: str | None) -> None:
         """The slot's state, recorded for operators (a database outage only delays that)."""
         if slot.state != state:
             slot.since = time.monotonic()

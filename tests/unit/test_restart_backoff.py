@@ -56,7 +56,7 @@ def _delays(uptimes: list[float], monkeypatch: Any) -> list[float]:
         clock[0] += 70.0  # Ray's word on its machine came later: the death's time counts
         sup._counted(slot, "killed")
         clock[0] = slot.next_start_at
-        sup._place(slot, clock[0])  # restarted
+        sup.place(slot, clock[0])  # restarted
     return [p["delay_s"] for kind, p in buffer.events if kind == "worker.restarting"]
 
 
