@@ -569,10 +569,6 @@ def totals_of(reports: list[DrillReport]) -> dict[str, Any]:
     }
 
 
-def _forked(pid: int) -> bool:
-    return "multiprocessing.forkserver" in procfs.cmdline(pid)
-
-
 def _tool_processes(node_pids: set[int]) -> list[int]:
     """Tool processes of these rollout nodes: what their forkservers started (tool servers
     and, in the sandbox, each call's own process; a forked child keeps its forkserver's
@@ -580,7 +576,7 @@ def _tool_processes(node_pids: set[int]) -> list[int]:
     found: list[tuple[int, int]] = []
     for pid in node_pids:
         for fs in procfs.descendants_of(pid):
-            if not _forked(fs) or _forked(procfs.parent_of(fs) or 1):
+            if not procfs.forked(fs) or procfs.forked(procfs.parent_of(fs) or 1):
                 continue  # not a forkserver (one forked from a forkserver is a tool)
             for p in procfs.descendants_of(fs):
                 s = procfs.stat(p)
@@ -593,7 +589,7 @@ def _tool_process(node_pids: set[int]) -> int | None:
     """A call in flight: a process under a tool server (not the server itself), else None."""
     for p in _tool_processes(node_pids):
         parent = procfs.parent_of(p) or 1
-        if _forked(parent) and _forked(procfs.parent_of(parent) or 1):
+        if procfs.forked(parent) and procfs.forked(procfs.parent_of(parent) or 1):
             return p
     return None
 

@@ -121,6 +121,13 @@ def cmdline(pid: int) -> str:
     return raw.replace(b"\0", b" ").decode(errors="replace").strip()
 
 
+def forked(pid: int) -> bool:
+    """Whether the process is a multiprocessing forkserver or was forked from one (a forked
+    child keeps its forkserver's command line): the rollout nodes' tool servers and the
+    sandbox's per-call processes."""
+    return "multiprocessing.forkserver" in cmdline(pid)
+
+
 def _socket_inodes(pid: int) -> set[int]:
     inodes: set[int] = set()
     try:
