@@ -365,7 +365,7 @@ class Soak:
         """The drills' accounting: what was in flight at the fault and is lost now (progress
         gone, not expired or quarantined), resumed turns, and the invariant checker."""
         assert self.drills is not None
-        self.drills._account(r, at_fault)
+        self.drills.account(r, at_fault)
 
     def inject(self, kind: str) -> DrillReport:
         d = self.drills

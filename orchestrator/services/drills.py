@@ -240,7 +240,7 @@ class Drills:
                 # a stopped process behind if it did not
                 procfs.signal_same(idents[w["id"]], signal.SIGCONT)
                 procfs.signal_same(idents[w["id"]], signal.SIGKILL)
-            self._account(r, snaps[w["id"]])
+            self.account(r, snaps[w["id"]])
             reports.append(r)
         for r in reports:
             self._finish(r)
@@ -269,7 +269,7 @@ class Drills:
 
         up_at = self._wait(lambda: self._slot_alive(w["name"], w["id"]) and stepped())
         r.recovery_s = None if up_at is None else up_at - t0
-        self._account(r, [])
+        self.account(r, [])
         self._finish(r)
         return r
 
@@ -298,7 +298,7 @@ class Drills:
         dead = sorted(i for i in before if after.get(i) in ("dead", "failed"))
         if dead:
             r.notes.append(f"workers declared dead by the outage: {dead}")
-        self._account(r, [])
+        self.account(r, [])
         if dead:
             r.invariants_ok = False
             r.invariant_summary += f"; {len(dead)} workers declared dead by the outage"
@@ -366,7 +366,7 @@ class Drills:
         r.ray_detection_s = watch.result()
         if r.ray_detection_s is None:
             r.notes.append(f"Ray's detection unknown: {watch.why_not()}")
-        self._account(r, snaps)
+        self.account(r, snaps)
         self._finish(r)
         return r
 
@@ -387,7 +387,12 @@ class Drills:
 
     # -- accounting ---------------------------------------------------------------------------
 
-    def _account(self, r: DrillReport, at_fault: list[dict[str, Any]]) -> None:
+    def account(self, r: DrillReport, at_fault: list[dict[str, Any]]) -> None:
+        """Fill the report's accounting of the samples in flight at the fault (``at_fault``,
+        their snapshots then) against what the database holds now: lost, expired or
+        quarantined samples, resumed turns, agent calls recorded and replayed, and the
+        invariants (duplicated: trained twice). The drills and the soak's own faults
+        (``ops/soak.py``) call it once recovery is done."""
         episodes = sorted({s["episode_id"] for s in at_fault})
         r.in_flight_episodes = len(episodes)
         samples = [s for s in at_fault if s["sample_index"] is not None]
