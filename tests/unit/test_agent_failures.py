@@ -192,6 +192,38 @@ def test_a_plugins_bad_reward_is_the_inputs_fault(
     assert e.value.location.endswith(" in reward"), e.value.location
 
 
+def test_a_plugins_episode_runs_on_the_callers_thread_and_must_not_await(
+    tiny_engine: Any,
+) -> None:
+    """A built-in plugin's adapter runs on the caller's thread with no event loop (it never
+    awaits: a thread and a loop per episode cost about a millisecond); one that awaits fails
+    the episode with a sentence instead of hanging."""
+    import asyncio
+    import threading
+
+    plugin = EchoTask()
+    spec = plugin.Spec()
+    threads: list[threading.Thread] = []
+
+    async def plays(ctx: Any, prompt: dict[str, Any]) -> float:
+        threads.append(threading.current_thread())
+        return 1.0
+
+    async def awaits(ctx: Any, prompt: dict[str, Any]) -> float:
+        await asyncio.sleep(0)
+        return 1.0
+
+    chat = chat_for(tiny_engine.tokenizer)
+    limits = Limits(max_turns=1, max_tokens_per_turn=8)
+    with ToolRunner() as runner:
+        run = AgentRun(tiny_engine, chat, spec, plugin.prompt(spec, 0), runner, limits, fn=plays)
+        assert run.run().reward == 1.0
+        assert threads == [threading.current_thread()]
+        run = AgentRun(tiny_engine, chat, spec, plugin.prompt(spec, 0), runner, limits, fn=awaits)
+        with pytest.raises(UserCodeError, match="a plugin's adapter must not"):
+            run.run()
+
+
 def test_rollout_preview_shows_a_failing_episode_and_goes_on(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -213,3 +213,62 @@ def test_smollm2_renders_with_its_own_template_and_hermes_calls(smollm2_dir: Pat
     assert str(tok.decode(ids)).startswith("<|im_start|>system\nYou have these tools:\n- calc(")
     obs = tok.decode(observation_ids(chat, "42", ended=True))
     assert obs == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+
+
+TEXTS = [
+    "",
+    "<|end|>\n<|tool|>42<|end|>\n<|assistant|>\n",
+    '<tool>{"name": "calc", "arguments": {"expression": "6*7"}}</tool><|end|>',
+    "\n<|im_start|>tool\nhigher<|im_end|>\n<|im_start|>assistant\n",
+    "  spaces  and\ttabs\n\n, unicode é 日本 😀 and a lone <|end",
+]
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_the_backend_shortcut_encodes_and_decodes_as_transformers_does(
+    model: str, request: pytest.FixtureRequest
+) -> None:
+    """``Chat`` calls a fast tokenizer's Rust backend directly (``plain_backend``): the same
+    ids and text as transformers' ``encode``/``decode``, and transformers' own path when the
+    backend's state is not what transformers' encode would set (truncation left on by
+    another caller: the backend alone would cut the text)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(request.getfixturevalue(f"{model}_dir"))
+    chat = Chat(tok)
+    assert chat._backend is not None  # the shortcut is taken for these tokenizers
+    for text in TEXTS:
+        ids = chat._encode(text)
+        assert ids == tok.encode(text, add_special_tokens=False)
+        body = ids[:-1] if ids and ids[-1] == chat.eos_id else ids  # a turn's end is not text
+        assert chat.turn_text(ids) == tok.decode(body, skip_special_tokens=False)
+    long = TEXTS[2]
+    backend: Any = tok._tokenizer
+    backend.enable_truncation(max_length=2)
+    try:
+        assert len(backend.encode(long, add_special_tokens=False).ids) == 2
+        assert chat._encode(long) == AutoTokenizer.from_pretrained(tok.name_or_path).encode(
+            long, add_special_tokens=False
+        )
+    finally:
+        backend.no_truncation()
+
+
+def test_extending_a_conversation_renders_its_head_once(tiny_dir: Path) -> None:
+    """``extension_base`` is what ``extension_ids`` renders after: given it, the segment is the
+    same, and only the new messages are rendered again."""
+    chat = Chat(tiny_tokenizer(tiny_dir))
+    before = [*chat.head([CALC], "q"), {"role": "assistant", "content": "..."}]
+    new = [{"role": "tool", "content": "42"}]
+    base = chat.extension_base(before, [CALC])
+    rendered: list[int] = []
+    real = chat._render
+
+    def counting(messages: list[dict[str, Any]], *a: Any, **k: Any) -> str:
+        rendered.append(len(messages))
+        return real(messages, *a, **k)
+
+    chat._render = counting  # type: ignore[method-assign]
+    with_base = chat.extension_ids(before, new, [CALC], ended=True, base=base)
+    assert rendered == [4]  # head (2) + probe + the tool message: the head's render is reused
+    assert with_base == chat.extension_ids(before, new, [CALC], ended=True)

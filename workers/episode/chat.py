@@ -96,6 +96,27 @@ def render(template: str, messages: list[dict[str, Any]], **kwargs: Any) -> str:
     return str(out[0][0])
 
 
+def plain_backend(tokenizer: Any) -> Any | None:
+    """The Rust backend of a fast tokenizer whose ``encode`` and ``decode`` are transformers'
+    own, or None. For one text without special tokens added, transformers' ``encode`` is the
+    backend's ``encode`` (no truncation, no padding) and ``decode`` the backend's ``decode``
+    (when it cleans up no spaces), behind a per-call Python layer that costs about twice the
+    work for the few tokens of a turn's segment; ``Chat`` calls the backend directly."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    if not isinstance(tokenizer, TokenizersBackend):
+        return None
+    kind = type(tokenizer)
+    own = (
+        kind.encode is PreTrainedTokenizerBase.encode
+        and kind._encode_plus is TokenizersBackend._encode_plus
+        and kind.decode is PreTrainedTokenizerBase.decode
+        and kind._decode is TokenizersBackend._decode
+    )
+    return tokenizer._tokenizer if own else None
+
+
 def _head(system: str, user: str) -> list[dict[str, Any]]:
     return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
@@ -184,6 +205,9 @@ class Chat:
         special = getattr(tokenizer, "special_tokens_map", None)
         self._special: dict[str, Any] = dict(special) if isinstance(special, dict) else {}
         self._special.setdefault("eos_token", self.eos_text)
+        self._backend = plain_backend(tokenizer)
+        self._split_special = bool(getattr(tokenizer, "split_special_tokens", False))
+        self._clean_up = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
         self._closing = self._check()
 
     # -- rendering ------------------------------------------------------------------------
@@ -212,11 +236,30 @@ class Chat:
         return _head(self.format.system_text(tools, self.renders_tools), instructions)
 
     def _encode(self, text: str) -> list[int]:
+        backend = self._backend
+        if (  # the backend as transformers' encode sets it: nothing left on by another caller
+            backend is not None
+            and backend.truncation is None
+            and backend.padding is None
+            and backend.encode_special_tokens == self._split_special
+        ):
+            return list(backend.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def messages_ids(self, messages: list[dict[str, Any]], tools: list[Tool]) -> list[int]:
         """A conversation's first segment: ``messages`` rendered with the generation prompt."""
         return self._encode(self._render(messages, tools, generation=True))
+
+    def extension_base(
+        self, before: list[dict[str, Any]], tools: list[Tool]
+    ) -> tuple[list[dict[str, Any]], str]:
+        """What ``extension_ids`` renders new messages after, for a conversation ``before``
+        (its messages before the first assistant message, then one probe assistant message)
+        and that rendered: the same for every extension of one conversation, so a caller that
+        extends it turn after turn renders it once."""
+        first = next((i for i, m in enumerate(before) if m["role"] == "assistant"), len(before))
+        base = [*before[:first], _assistant(_PROBE)]
+        return base, self._render(base, tools)
 
     def extension_ids(
         self,
@@ -225,18 +268,18 @@ class Chat:
         tools: list[Tool],
         *,
         ended: bool,
+        base: tuple[list[dict[str, Any]], str] | None = None,
     ) -> list[int]:
         """The segment after a generated turn that ends ``before``: the rest of the assistant
         message's closing, the ``new`` (user or tool) messages and the next assistant header,
         found as what rendering ``new`` adds after the conversation's
         head (its messages before the first assistant message) and one probe assistant
-        message. The cost is the head's and ``new``'s, not the conversation's: a template is
+        message (``extension_base``; ``base``: its value for ``before``, already rendered).
+        The cost is the head's and ``new``'s, not the conversation's: a template is
         prefix-stable (``_check``) and renders a message by what precedes it at most one
         message back, as the templates of the families in ``toolcalls`` do."""
-        first = next((i for i, m in enumerate(before) if m["role"] == "assistant"), len(before))
-        base = [*before[:first], _assistant(_PROBE)]
-        text_before = self._render(base, tools)
-        after = self._render([*base, *new], tools, generation=True)
+        probe, text_before = base if base is not None else self.extension_base(before, tools)
+        after = self._render([*probe, *new], tools, generation=True)
         if not after.startswith(text_before):
             raise ChatTemplateError(
                 "the chat template is not prefix-stable for this conversation: rendering the "
@@ -251,6 +294,8 @@ class Chat:
         body = list(token_ids)
         if body and body[-1] == self.eos_id:
             body.pop()
+        if self._backend is not None and not self._clean_up:
+            return str(self._backend.decode(body, skip_special_tokens=False))
         return str(self.tokenizer.decode(body, skip_special_tokens=False))
 
     def parse(self, token_ids: list[int]) -> Action:

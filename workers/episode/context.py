@@ -17,7 +17,7 @@ from rollcall.workers.episode.api import (
     Reply,
     ToolCall,
 )
-from rollcall.workers.episode.journal import Recorder, fingerprint
+from rollcall.workers.episode.journal import Recorder, chat_fingerprint, fingerprint
 from rollcall.workers.episode.messages import (
     as_message,
     as_text,
@@ -60,6 +60,9 @@ class AgentContext(Recorder):
         self._render: list[dict[str, Any]] = []  # ... as rendered (with the tools' system text)
         self._conv_tools: list[Tool] = []
         self._ended = True
+        # the trained conversation's head, rendered once (``Chat.extension_base``)
+        self._base: tuple[list[dict[str, Any]], str] | None = None
+        self._message_json: dict[tuple[str, str], str] = {}  # ``chat_fingerprint``'s
         self.api_key = f"rc-{secrets.token_urlsafe(18)}"
         # set by the built-in plugins' adapter (``plugin.py``): its messages come as rendered
         # (the format's system text in them) and a turn that a limit refuses keeps its
@@ -212,7 +215,8 @@ class AgentContext(Recorder):
             raise AgentUsageError("ctx.chat needs a non-empty list of messages")
         msgs = [as_message(m, "ctx.chat") for m in messages]
         tool_list = tools_of(tools)
-        key = fingerprint("chat", train, msgs, [t.to_json() for t in tool_list], max_tokens)
+        tools_json = [t.to_json() for t in tool_list]
+        key = chat_fingerprint(train, msgs, tools_json, max_tokens, self._message_json)
         with self._sync_call("chat", key, f"({len(msgs)} messages)") as slot:
             if train:
                 reply, result = self._trained(msgs, tool_list, max_tokens, slot.entry)
@@ -276,7 +280,11 @@ class AgentContext(Recorder):
                     "the last reply (and no assistant message)"
                 )
             render = [*self._render, *new]
-            segment = chat.extension_ids(self._render, new, self._conv_tools, ended=self._ended)
+            if self._base is None:
+                self._base = chat.extension_base(self._render, self._conv_tools)
+            segment = chat.extension_ids(
+                self._render, new, self._conv_tools, ended=self._ended, base=self._base
+            )
         try:
             budget = self._budget(len(segment), max_tokens, trained=True)
         except ContextLimit:

@@ -45,6 +45,27 @@ def fingerprint(*parts: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def chat_fingerprint(
+    train: Any,
+    msgs: list[dict[str, str]],
+    tools: list[dict[str, Any]],
+    max_tokens: Any,
+    seen: dict[tuple[str, str], str],
+) -> str:
+    """``fingerprint("chat", train, msgs, tools, max_tokens)`` (the same text hashed) for
+    messages of a role and a text content only, each message's JSON kept in ``seen`` (one run's:
+    a call that extends a conversation encodes its new messages only, not all of it again)."""
+    texts = []
+    for m in msgs:
+        text = seen.get((m["role"], m["content"]))
+        if text is None:
+            text = seen[(m["role"], m["content"])] = json.dumps(m, sort_keys=True)
+        texts.append(text)
+    rest = [json.dumps(v, sort_keys=True, default=_stable) for v in (train, tools, max_tokens)]
+    text = f'["chat", {rest[0]}, [{", ".join(texts)}], {rest[1]}, {rest[2]}]'
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def _describe(kind: str, detail: str) -> str:
     return f"{kind} {detail}" if detail else kind
 
