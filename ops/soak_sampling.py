@@ -81,7 +81,7 @@ def orphans(owners: set[int], home: Path | None = None) -> list[str]:
             continue
         line = procfs.cmdline(s.pid)
         engine = s.name == ENGINE_CORE
-        forked = procfs.forked(s.pid) and "ray::" not in line
+        forked = procfs.is_forked(line) and "ray::" not in line
         if engine or forked:
             if not _under(s.pid, owners):
                 found.append(f"{s.pid} {'EngineCore' if engine else 'forkserver/tool'}")

@@ -125,7 +125,12 @@ def forked(pid: int) -> bool:
     """Whether the process is a multiprocessing forkserver or was forked from one (a forked
     child keeps its forkserver's command line): the rollout nodes' tool servers and the
     sandbox's per-call processes."""
-    return "multiprocessing.forkserver" in cmdline(pid)
+    return is_forked(cmdline(pid))
+
+
+def is_forked(line: str) -> bool:
+    """``forked`` for a command line already read (``cmdline``)."""
+    return "multiprocessing.forkserver" in line
 
 
 def _socket_inodes(pid: int) -> set[int]:

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from rollcall.orchestrator.procfs import alive, children_of
+from rollcall.workers.rollout.engines.vllm_worker import remove_socket_dir
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,3 +101,18 @@ def test_the_watch_spares_a_live_owner_and_ends_the_engine_when_it_dies(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(owner.pid, signal.SIGKILL)
         owner.wait()
+
+
+def test_only_a_folder_socket_dir_makes_is_removed(tmp_path: Path) -> None:
+    """``remove_socket_dir``, shared by the engine's close, its failed start and the watchdog:
+    a folder under ``rollcall-vllm-UID`` or the fallback ``rollcall-vllm-*`` goes, anything
+    else (vLLM's default, the temp folder) stays."""
+    under = tmp_path / "rollcall-vllm-0" / "123-abc"
+    alone = tmp_path / "rollcall-vllm-xyz"
+    other = tmp_path / "elsewhere"
+    for folder in (under, alone, other):
+        folder.mkdir(parents=True)
+        (folder / "a-socket").touch()
+        remove_socket_dir(folder)
+    assert not under.exists() and not alone.exists()
+    assert (other / "a-socket").exists()

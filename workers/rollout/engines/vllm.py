@@ -77,7 +77,6 @@ import contextlib
 import importlib.util
 import itertools
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -104,6 +103,7 @@ from rollcall.workers.rollout.engines.vllm_start import (
     engine_kwargs,
     socket_dir,
 )
+from rollcall.workers.rollout.engines.vllm_worker import remove_socket_dir
 from rollcall.workers.weights import ADAPTER_FILE, weights_file
 
 RESET_ATTEMPTS = 20  # reset_prefix_cache returns False while blocks are still in use ...
@@ -262,9 +262,7 @@ class VLLMEngine:
                     if (i := procfs.identity(pid)) is not None
                 ]  # fmt: skip
         except BaseException as e:
-            self._stop_loop()
-            kill_engine_processes()
-            shutil.rmtree(self._sockets, ignore_errors=True)
+            self._release(())
             if isinstance(e, Exception):  # its root cause is in what vLLM's processes wrote
                 raise start_error(e, mark) from e
             raise
@@ -332,9 +330,14 @@ class VLLMEngine:
                 with contextlib.suppress(Exception):  # a dead engine shuts down with errors
                     self._call(self._shutdown(), 60.0, "shutting vLLM down")
         finally:
-            self._stop_loop()
-            kill_engine_processes(self.engine_pids())
-            shutil.rmtree(self._sockets, ignore_errors=True)
+            self._release(self.engine_pids())
+
+    def _release(self, pids: Collection[int]) -> None:
+        """Stop the engine's event loop, kill its processes (``pids`` and any left under this
+        one) and remove its socket folder."""
+        self._stop_loop()
+        kill_engine_processes(pids)
+        remove_socket_dir(self._sockets)
 
     # -- on the engine's event loop -------------------------------------------------------------
 

@@ -110,9 +110,15 @@ class RollcallWorkerExtension:
 
 
 def _remove_sockets() -> None:
-    """The engine's socket folder (``vllm_start.socket_dir``, inherited as
-    ``VLLM_RPC_BASE_PATH``): once the owner or the EngineCore is gone, nobody uses it, and a
-    SIGKILLed owner never closes its engine to remove it."""
-    path = Path(os.environ.get("VLLM_RPC_BASE_PATH", ""))
-    if path.parent.name.startswith("rollcall-vllm-"):  # never vLLM's default, the temp folder
+    """The engine's socket folder (inherited as ``VLLM_RPC_BASE_PATH``): once the owner or the
+    EngineCore is gone, nobody uses it, and a SIGKILLed owner never closes its engine to remove
+    it."""
+    remove_socket_dir(Path(os.environ.get("VLLM_RPC_BASE_PATH", "")))
+
+
+def remove_socket_dir(path: Path) -> None:
+    """Remove one engine's socket folder (``vllm_start.socket_dir``): when its engine closes
+    or fails to start, or from the EngineCore's watchdog once its owner is gone. Only a folder
+    ``socket_dir`` makes, never vLLM's default (the temp folder itself)."""
+    if path.parent.name.startswith("rollcall-vllm-") or path.name.startswith("rollcall-vllm-"):
         shutil.rmtree(path, ignore_errors=True)
