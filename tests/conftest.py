@@ -297,9 +297,13 @@ def init_local_ray() -> None:
 
 @pytest.fixture(scope="session")
 def ray_local() -> Iterator[Any]:
-    """A local Ray for the session."""
+    """A local Ray for the session. Whatever Ray an earlier test of this worker left running
+    (a cluster fixture brings a local Ray back when it ends) is shut down first: ``ray.init``
+    twice is an error, and the session's Ray is always the one ``init_local_ray`` starts."""
     import ray
 
+    if ray.is_initialized():
+        ray.shutdown()
     init_local_ray()
     yield ray
     ray.shutdown()
