@@ -62,6 +62,9 @@ class Offer:
     bucket_bytes: int
     timeout_s: float
     backend: str = "gloo"  # or nccl
+    # a LoRA version (``trainer.lora``): the adapter's peft config (``adapter_config.json``);
+    # the tensors are then the adapter alone, by model parameter name. None: full weights.
+    adapter: dict[str, Any] | None = None
 
     def for_rank(self, rank: int) -> Offer:
         return Offer(**{**asdict(self), "tensors": self.tensors, "rank": rank})

@@ -149,17 +149,23 @@ def read_config(location: str | Path) -> dict[str, Any]:
 
 
 def load_adapter(model: Any, location: str | Path, where: str) -> None:
-    """Copy a published adapter into ``model`` (injected with the adapter's own config at the
-    first call). Raises ``ValueError`` naming the keys when the adapter does not fit, before
-    changing anything."""
+    """Copy a published adapter into ``model`` (``apply_adapter``)."""
+    apply_adapter(model, read_adapter(location), read_config(location), where)
+
+
+def apply_adapter(model: Any, state: dict[str, Any], config: dict[str, Any], where: str) -> None:
+    """Copy an adapter (``state``: model parameter names -> tensors; ``config``: its
+    ``adapter_config.json``) into ``model``, injected with that config at the first call.
+    Raises ``ValueError`` naming the keys when the adapter does not fit, before changing
+    anything."""
     import torch
     from peft import LoraConfig, inject_adapter_in_model
 
-    state = read_adapter(location)
     targets = {n: p for n, p in model.named_parameters() if is_adapter_param(n)}
     if not targets:
-        config = LoraConfig.from_pretrained(str(location))
-        inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
+        inject_adapter_in_model(
+            LoraConfig.from_peft_type(**config), model, adapter_name=ADAPTER_NAME
+        )
         model.requires_grad_(False)
         targets = {n: p for n, p in model.named_parameters() if is_adapter_param(n)}
     unexpected = sorted(set(state) - set(targets))

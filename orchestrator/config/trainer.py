@@ -200,12 +200,6 @@ class TrainerConfig(StrictModel):
                 "trainer.weights.transport: collective needs real weights to broadcast; the "
                 "timing-model trainer publishes none: use files"
             )
-        if self.lora is not None and self.weights.transport == "collective":
-            raise ValueError(
-                "trainer.lora publishes each version's adapter as files (a few MB); the "
-                "collective transport broadcasts full weights only: set "
-                "trainer.weights.transport: files"
-            )
         if self.lora is not None and self.timing_model is not None:
             raise ValueError("trainer.lora needs the FSDP2 trainer, not the timing model")
         c, s = self.checkpoint_every, self.sync_every

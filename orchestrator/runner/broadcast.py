@@ -45,6 +45,8 @@ class Broadcaster:
         if base is None or base["version"] != version:
             return out
         tensors = tuple(collective.Tensor(n, d, tuple(s), b) for n, d, s, b in base["tensors"])
+        out["bytes"] = sum(t.nbytes for t in tensors)  # each member's share (LoRA: the adapter)
+        out["adapter"] = base.get("adapter") is not None
         bucket_bytes = int(self.config.bucket_mb * 2**20)
         deadline = self.config.timeout_s * (len(collective.buckets(tensors, bucket_bytes)) + 3)
         for _ in range(ATTEMPTS):
@@ -62,6 +64,7 @@ class Broadcaster:
                 bucket_bytes=bucket_bytes,
                 timeout_s=self.config.timeout_s,
                 backend=self.backend,
+                adapter=base.get("adapter"),
             )
             out["epochs"].append(self.epoch)
             send = trainer.broadcast(offer.to_json())

@@ -1,8 +1,9 @@
-"""A LoRA job (hf engine, the tiny model) through a trainer rank killed past its checkpoint and a
-rollout node SIGKILLed mid-trajectory: the restarted trainer holds the last published adapter
-(loaded from the version's files, newer than its checkpoint), the restarted node serves the
-adapter of the version it reports (the on-policy importance weight stays 1 within 1e-3), and
-nothing is lost or trained twice."""
+"""A LoRA job (hf engine, the tiny model, the adapters broadcast over the collective transport)
+through a trainer rank killed past its checkpoint and a rollout node SIGKILLed mid-trajectory:
+the restarted trainer holds the last published adapter (loaded from the version's files, newer
+than its checkpoint), the restarted node catches up from the files and then receives
+broadcasts, it serves the adapter of the version it reports (the on-policy importance weight
+stays 1 within 1e-3), and nothing is lost or trained twice."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from rollcall.orchestrator.db.engine import Database
 from rollcall.orchestrator.runner.driver import JobDriver
 from tests.chaos.test_faults import _assert_nothing_lost, _config, _driver, _run_with
 from tests.integration.buffer_helpers import rows, scalar
-from tests.integration.test_lora import assert_lora_run
+from tests.integration.test_lora import assert_adapters_broadcast, assert_lora_run
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(600)
@@ -34,6 +35,8 @@ def test_a_lora_job_survives_a_trainer_kill_and_a_node_kill(
     # the first step under CI's load)
     raw["run"]["mode"] = "sync"
     raw["trainer"].update(lr=1e-2, checkpoint_every=2, lora={"rank": 4, "alpha": 16})
+    # the adapters travel by broadcast; a restarted node catches up from the version's files
+    raw["trainer"]["weights"] = {"transport": "collective", "timeout_s": 5.0}
     raw["trainer"]["loss"]["entropy_coef"] = 0.01  # the adapters move whatever the rewards
     # LoRA with objectives of their own: CISPO over plain REINFORCE++'s whitened rewards
     raw["trainer"]["loss"].update(
@@ -98,3 +101,4 @@ def test_a_lora_job_survives_a_trainer_kill_and_a_node_kill(
     kinds = [k for (k,) in rows(engine, "SELECT kind FROM events ORDER BY id")]
     assert kinds.count("trainer.restarted") == 1 and "worker.restarting" in kinds, kinds
     assert_lora_run(Path(result.run_dir), tiny_dir)
+    assert_adapters_broadcast(engine, Path(result.run_dir), least=3)

@@ -148,3 +148,22 @@ def test_lora_target_modules_the_model_lacks_are_one_sentence(tiny_dir: Path) ->
     with pytest.raises(ValueError, match=r"\['qkv'\] are not linear layers of .*; it has"):
         adapters.check_targets(tiny_dir, ["q_proj", "qkv"])
     adapters.check_targets(tiny_dir, list(LORA.target_modules))
+
+
+def assert_adapters_broadcast(engine: Any, run: Path, least: int) -> None:
+    """The collective transport carried each LoRA version as its adapter alone: every
+    broadcast's bytes are a published adapter's (the version's file holds exactly those
+    tensors), and the nodes loaded at least ``least`` versions by broadcast."""
+    from safetensors.torch import load_file
+
+    from tests.integration.test_weight_broadcast import broadcasts
+
+    last = sorted(p for p in (run / "weights").glob("v*") if p.is_dir())[-1]
+    published = load_file(str(last / adapters.ADAPTER_FILE))
+    adapter_bytes = sum(t.numel() * t.element_size() for t in published.values())
+    sent = [e for e in broadcasts(engine) if "bytes" in e]
+    assert sent, broadcasts(engine)
+    for e in sent:
+        assert e["adapter"] and e["bytes"] == adapter_bytes, (e, adapter_bytes)
+    loaded = [e for e in sent if e["loaded"]]
+    assert len(loaded) >= least, sent

@@ -144,7 +144,7 @@ class WeightSync:
                                 raise collective.BroadcastFailed(
                                     f"the {type(base).__name__} engine takes no broadcast weights"
                                 )
-                            load_state(o.version, staged)
+                            load_state(o.version, staged, adapter=o.adapter)
                         finally:
                             self.loading = False
         except collective.BroadcastFailed as e:

@@ -372,46 +372,45 @@ class TrainerRank:
         return out if self.rank == 0 else None
 
     def publish(self, root: str, version: int, keep: int, background: bool = False) -> str | None:
-        """Write version ``version``'s weights for the rollout nodes (collective). With
-        ``background`` (the collective transport) rank 0 keeps the tensors for ``broadcast``
-        and writes the file on a thread, off the step's critical path: the location returned
-        holds the version once the write is done (readers see all of it or nothing)."""
+        """Write version ``version``'s weights for the rollout nodes (collective): the full
+        weights, or with LoRA the adapter alone. With ``background`` (the collective
+        transport) rank 0 keeps the tensors for ``broadcast`` and writes the files on a
+        thread, off the step's critical path: the location returned holds the version once
+        the write is done (readers see all of it or nothing)."""
         s = self.settings
-        if s.lora is not None:  # only the adapter (the collective transport is refused)
-            adapter = self.adapter_state_dict()
-            if adapter is None:
-                return None
-            dtype = self.publish_dtype()
-            return publish_adapter(
-                {k: v.to(dtype) for k, v in adapter.items()},
-                s.lora,
-                s.model_dir,
-                Path(root),
-                version,
-                keep=keep,
-                metadata={"updates": str(self.updates), "dtype": str(dtype).removeprefix("torch.")},
-            )
-        sd = self.full_state_dict()
-        if sd is None:
+        lora = s.lora
+        state = self.full_state_dict() if lora is None else self.adapter_state_dict()
+        if state is None:  # not rank 0
             return None
         dtype = self.publish_dtype()
-        sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         # the optimizer updates behind these weights: a restart from them resumes the schedule
         meta = {"updates": str(self.updates), "dtype": str(dtype).removeprefix("torch.")}
-        if not background:
-            return publish(sd, Path(root), version, keep=keep, metadata=meta)
-        self.wait_for_files()
-        self._staged = (version, sd)
+        path = Path(root)
 
-        def write() -> None:
+        def write() -> str:
+            if lora is None:
+                return publish(state, path, version, keep=keep, metadata=meta)
+            return publish_adapter(
+                state, lora, s.model_dir, path, version, keep=keep, metadata=meta
+            )
+
+        if not background:
+            return write()
+        self.wait_for_files()
+        self._staged = (version, state)
+
+        def write_in_background() -> None:
             try:
-                publish(sd, Path(root), version, keep=keep, metadata=meta)
+                write()
             except BaseException as e:  # raised by the next publish (a trainer failure)
                 self._writer_error = e
 
-        self._writer = threading.Thread(target=write, name=f"publish-v{version}", daemon=True)
+        self._writer = threading.Thread(
+            target=write_in_background, name=f"publish-v{version}", daemon=True
+        )
         self._writer.start()
-        return str(version_dir(Path(root), version))
+        return str(version_dir(path, version))
 
     def wait_for_files(self) -> None:
         """The previous background publication's file is written (raise if it failed)."""
@@ -430,8 +429,11 @@ class TrainerRank:
         if self._rendezvous is None:
             self._rendezvous = collective.Rendezvous(collective.local_address())
         version, sd = self._staged
+        lora, model = self.settings.lora, self.settings.model_dir
         return {
             "version": version,
+            # a LoRA version is its adapter alone: the receivers need its config to load it
+            "adapter": None if lora is None else adapters.config_dict(lora, model),
             "host": self._rendezvous.host,
             "port": self._rendezvous.port,
             "tensors": [

@@ -315,11 +315,18 @@ class HFEngine:
             self._version = version
             self.kv.clear()  # computed with the old weights
 
-    def load_state(self, version: int, state: dict[str, Any]) -> None:
-        """``load_weights`` from tensors in memory (a broadcast's, collective transport)."""
+    def load_state(
+        self, version: int, state: dict[str, Any], adapter: dict[str, Any] | None = None
+    ) -> None:
+        """``load_weights`` from tensors in memory (a broadcast's, collective transport): the
+        weights, or with ``adapter`` (its peft config) a LoRA version's adapter."""
+        where = f"version {version} as received"
         with self._lock:
             try:
-                copy_into(self.model, state, f"version {version} as received")
+                if adapter is not None:
+                    lora.apply_adapter(self.model, state, adapter, where)
+                else:
+                    copy_into(self.model, state, where)
             except ValueError as e:
                 raise ValueError(f"weights of version {version} do not fit the model: {e}") from e
             self._version = version

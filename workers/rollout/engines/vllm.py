@@ -58,6 +58,9 @@ What it owns and guarantees:
 - LoRA (``trainer.lora``): with ``lora_rank`` vLLM starts with ``enable_lora``; a version that
   is an adapter loads as a ``LoRARequest`` whose id is the version (``add_lora``, under the same
   gate, the previous one removed); every generation carries it. The base weights never change.
+  By broadcast (collective transport) the worker receives the adapter alone and writes it into
+  this engine's own folder (vLLM 0.32 loads an adapter from a path only: ``LoRARequest``'s
+  ``lora_path``), from which it loads the same way; the folder goes with the engine.
 - vLLM's own ``pause_generation``/``resume_generation`` is not used for loads: a request sent
   while the engine is paused would run after the resume, under the new weights, but this side
   could not tell which version it ran under without holding it back itself, which is what
@@ -77,6 +80,7 @@ import contextlib
 import importlib.util
 import itertools
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -474,35 +478,42 @@ class VLLMEngine:
             self._version = version
 
     async def _load_adapter(self, version: int, location: str) -> None:
-        """LoRA: version ``version``'s adapter becomes the one every generation uses (vLLM's
-        ``LoRARequest``, its id the version), the previous one unloaded. The base weights stay."""
+        async with self._gate.exclusive():
+            await self._use_adapter(version, location)
+
+    async def _use_adapter(self, version: int, location: str | Path) -> None:
+        """LoRA: version ``version``'s adapter (a folder in peft's format) becomes the one every
+        generation uses (vLLM's ``LoRARequest``, its id the version), the previous one
+        unloaded. The base weights stay. The caller holds the gate."""
         from vllm.lora.request import LoRARequest
 
-        async with self._gate.exclusive():
-            request = LoRARequest(f"v{version}", max(1, version), str(location))
-            try:
-                if self._lora is not None:
-                    await self._engine.remove_lora(self._lora.lora_int_id)
-                    self._lora = None
-                if not await self._engine.add_lora(request):
-                    raise RuntimeError(f"vLLM did not load the adapter at {location}")
-                await self._reset_prefix_cache()
-            except BaseException as e:
-                self._broken = (
-                    f"loading the adapter of version {version} failed ({type(e).__name__}: "
-                    f"{e}); the engine serves nothing until a later version loads"
-                )
-                raise
-            self._lora = request
-            self._broken = None
-            self._version = version
+        request = LoRARequest(f"v{version}", max(1, version), str(location))
+        try:
+            if self._lora is not None:
+                await self._engine.remove_lora(self._lora.lora_int_id)
+                self._lora = None
+            if not await self._engine.add_lora(request):
+                raise RuntimeError(f"vLLM did not load the adapter at {location}")
+            await self._reset_prefix_cache()
+        except BaseException as e:
+            self._broken = (
+                f"loading the adapter of version {version} failed ({type(e).__name__}: "
+                f"{e}); the engine serves nothing until a later version loads"
+            )
+            raise
+        self._lora = request
+        self._broken = None
+        self._version = version
 
     async def _receive(self, offer: Any, who: str, address: str) -> None:
-
+        # a LoRA version's adapter is written by the worker into this engine's own folder
+        # (removed with it, also by the watchdog), then loaded from there
+        folder = self._sockets / "received" / f"v{offer.version:06d}" if offer.adapter else None
         async with self._gate.exclusive():
             try:
                 results = await self._engine.collective_rpc(
-                    "rollcall_receive_weights", args=(offer.to_json(), who, address)
+                    "rollcall_receive_weights",
+                    args=(offer.to_json(), who, address, None if folder is None else str(folder)),
                 )
             except BaseException as e:
                 self._broken = (
@@ -514,6 +525,12 @@ class VLLMEngine:
             errors = [r["error"] for r in results if r.get("error")]
             if errors:  # nothing was loaded
                 raise collective.BroadcastFailed(errors[0])
+            if folder is not None:
+                await self._use_adapter(offer.version, folder)
+                for old in folder.parent.iterdir():  # the adapters received before
+                    if old != folder:
+                        shutil.rmtree(old, ignore_errors=True)
+                return
             await self._reset_prefix_cache()
             self._broken = None
             self._version = offer.version

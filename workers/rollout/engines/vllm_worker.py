@@ -17,6 +17,7 @@ from typing import Any
 
 from rollcall.orchestrator import procfs
 from rollcall.workers import collective
+from rollcall.workers.lora import write_adapter
 
 WEIGHTS_FILE = "model.safetensors"  # what ``rollcall.workers.weights.publish`` writes
 
@@ -37,18 +38,30 @@ class RollcallWorkerExtension:
         return self._rollcall_load(state, location)
 
     def rollcall_receive_weights(
-        self, offer: dict[str, Any], who: str, address: str
+        self, offer: dict[str, Any], who: str, address: str, folder: str | None = None
     ) -> dict[str, Any]:
         """Collective transport: join the offer's group, receive the version whole into
         staging memory, then load it as ``rollcall_load_weights`` does. A broadcast that does
         not complete returns ``{"error": ...}`` with the model untouched; a load that fails
-        raises (the engine's weights may then be half replaced)."""
+        raises (the engine's weights may then be half replaced).
+
+        A LoRA version (the offer's ``adapter``) is not loaded here: its adapter is written to
+        ``folder`` in peft's format, for the engine to load as a ``LoRARequest`` (vLLM 0.32
+        loads an adapter from a path only). A write that fails is an ``error`` too."""
         o = collective.Offer.from_json(offer)
         device = "cuda" if o.backend == "nccl" else "cpu"
         try:
             state = collective.receive(o, device=device, who=who, address=address)
         except collective.BroadcastFailed as e:
             return {"error": str(e)}
+        if o.adapter is not None:
+            assert folder is not None, "a LoRA version needs the folder to write its adapter to"
+            try:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+                write_adapter({k: v.cpu() for k, v in state.items()}, Path(folder), o.adapter)
+            except Exception as e:  # the node loads the version from its published file
+                return {"error": f"writing the adapter of version {o.version}: {e}"}
+            return {"error": None, "tensors": len(state)}
         return {"error": None, **self._rollcall_load(state, f"version {o.version} as received")}
 
     def _rollcall_load(self, state: dict[str, Any], where: str) -> dict[str, int]:
