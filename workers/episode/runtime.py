@@ -225,16 +225,14 @@ class AgentRun:
         ``episode_timeout_s``: past it the function is cancelled (``UserCodeError``, where it
         was waiting); a function that cannot be cancelled (its thread blocked in synchronous
         code) is abandoned ``CANCEL_GRACE_S`` later, its calls through ``ctx`` refused."""
-        given = getattr(self.spec, "episode_timeout_s", None)  # a plugin's episodes: none
-        timeout = None if given is None else float(given)
+        if not isinstance(self.spec, AgentSpec):  # a built-in plugin's adapter
+            return self._call_plugin(fn, ctx)
+        timeout = float(self.spec.episode_timeout_s)
         expired: list[BaseException] = []
 
         async def main() -> Any:
             deadline = asyncio.timeout(timeout)
-            try:
-                coroutine = fn(ctx, dict(self.prompt))
-            except TypeError as e:  # it cannot be called as fn(ctx, prompt): on every input
-                raise _CallFailed(e) from e
+            coroutine = self._coroutine(fn, ctx)
             try:
                 async with deadline:
                     result = await coroutine
@@ -247,8 +245,6 @@ class AgentRun:
                 expired.append(TimeoutError())
             return result
 
-        if not isinstance(self.spec, AgentSpec):  # a built-in plugin's adapter
-            return self._call_plugin(fn, ctx)
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def target() -> None:
@@ -260,9 +256,7 @@ class AgentRun:
 
         thread = threading.Thread(target=target, daemon=True, name="agent-episode")
         thread.start()
-        concurrent.futures.wait(
-            [done], timeout=None if timeout is None else timeout + CANCEL_GRACE_S
-        )
+        concurrent.futures.wait([done], timeout=timeout + CANCEL_GRACE_S)
         if not done.done():
             frame = sys._current_frames().get(thread.ident or 0)
             ctx.closed = f"it did not finish within {timeout:g} s"
@@ -293,15 +287,20 @@ class AgentRun:
             )
         return result
 
+    def _coroutine(self, fn: Callable[..., Any], ctx: AgentContext) -> Any:
+        """``fn(ctx, prompt)``: the coroutine to run; ``_CallFailed`` when ``fn`` cannot be
+        called so (on every input)."""
+        try:
+            return fn(ctx, dict(self.prompt))
+        except TypeError as e:
+            raise _CallFailed(e) from e
+
     def _call_plugin(self, fn: Callable[..., Any], ctx: AgentContext) -> Any:
         """A built-in plugin's adapter (``plugin.py``) on the caller's thread, with no event
         loop: it never awaits (its calls are ``chat_sync`` and recorded tool calls) and has no
         episode timeout, so its coroutine runs to its end at the first step, without the
         thread and loop an agent function's run costs (about a millisecond per episode)."""
-        try:
-            coroutine = fn(ctx, dict(self.prompt))
-        except TypeError as e:
-            raise _CallFailed(e) from e
+        coroutine = self._coroutine(fn, ctx)
         with registered(ctx):
             try:
                 coroutine.send(None)

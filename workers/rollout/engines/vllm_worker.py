@@ -115,18 +115,13 @@ class RollcallWorkerExtension:
                 if procfs.parent_of(core) != owner_pid:
                     if core != me:
                         procfs.signal_same(core_ident, signal.SIGKILL)
-                    _remove_sockets()
+                    # the engine's folder (inherited as VLLM_RPC_BASE_PATH): a SIGKILLed
+                    # owner never closes its engine to remove it
+                    remove_socket_dir(Path(os.environ.get("VLLM_RPC_BASE_PATH", "")))
                     os._exit(1)
 
         threading.Thread(target=watch, name="rollcall-watchdog", daemon=True).start()
         return core, me
-
-
-def _remove_sockets() -> None:
-    """The engine's socket folder (inherited as ``VLLM_RPC_BASE_PATH``): once the owner or the
-    EngineCore is gone, nobody uses it, and a SIGKILLed owner never closes its engine to remove
-    it."""
-    remove_socket_dir(Path(os.environ.get("VLLM_RPC_BASE_PATH", "")))
 
 
 def remove_socket_dir(path: Path) -> None:
