@@ -39,6 +39,6 @@ def test_the_reward_asks_for_the_number_alone(reply: str | None, reward: float) 
 
 def test_the_prompts_are_every_pair_once() -> None:
     rows = [json.loads(x) for x in (ROOT / "examples/sums/sums.jsonl").read_text().splitlines()]
-    assert len(rows) == 19 * 19 and len({r["question"] for r in rows}) == len(rows)
-    assert rows[0] == {"answer": "4", "question": "What is 2 + 2?"}
+    assert len(rows) == 15 * 15 and len({r["question"] for r in rows}) == len(rows)
+    assert rows[0] == {"answer": "2", "question": "What is 1 + 1?"}
     assert all(int(r["answer"]) == sum(map(int, r["question"][8:-1].split(" + "))) for r in rows)
