@@ -275,9 +275,13 @@ PYTHON = sys.executable
 
 
 def init_local_ray() -> None:
-    """Start the tests' local Ray (logical CPUs: actors ask for 1 each, threads are capped)."""
+    """Start the tests' local Ray (logical CPUs: actors ask for 1 each, threads are capped).
+    Whatever Ray an earlier test of this worker left running is shut down first: ``ray.init``
+    twice is an error, and the tests' Ray is always this one."""
     import ray
 
+    if ray.is_initialized():
+        ray.shutdown()
     from rollcall.orchestrator.runner.raystart import RAY_LOG_ROTATE_BACKUPS, RAY_LOG_ROTATE_BYTES
 
     # as the driver's local Ray: workers at niceness 0 (not 15), and its log rotation, under
@@ -297,13 +301,10 @@ def init_local_ray() -> None:
 
 @pytest.fixture(scope="session")
 def ray_local() -> Iterator[Any]:
-    """A local Ray for the session. Whatever Ray an earlier test of this worker left running
-    (a cluster fixture brings a local Ray back when it ends) is shut down first: ``ray.init``
-    twice is an error, and the session's Ray is always the one ``init_local_ray`` starts."""
+    """A local Ray for the session (``init_local_ray``; a cluster fixture brings it back
+    when it ends)."""
     import ray
 
-    if ray.is_initialized():
-        ray.shutdown()
     init_local_ray()
     yield ray
     ray.shutdown()

@@ -1,9 +1,12 @@
-"""A one-turn agent for a small pretrained model: add two numbers and reply with the number only.
+"""A one-turn agent for a small pretrained model: add two numbers; the answer is the reply's last
+number.
 
-The reward teaches the format and the sum together: 1.0 for a reply that is exactly the sum
-(a final period tolerated), 0.5 for a reply whose last number is the sum but that says more
-("14 + 8 = 22"), 0 otherwise. SmolLM2-135M-Instruct starts near 0.1 on it at temperature 0.7
-(configs/smollm2-lora.yaml, docs/models.md). The prompts are ``sums.jsonl`` beside this file
+The reward grades the answer as math graders do, by the final number of the reply: 1.0 when it
+is the sum ("22", "14 + 8 = 22", "The answer is 22."), 0 otherwise ("22 is 14 + 8"). An
+earlier version paid 1.0 for the number alone and 0.5 for a longer reply ending with it: it
+set the format against accuracy (SmolLM2 adds worse without writing the sum out) and its curve
+dipped (docs/models.md). SmolLM2-135M-Instruct starts near 0.3 on it at temperature 0.7
+(configs/smollm2-lora.yaml). The prompts are ``sums.jsonl`` beside this file
 (``python examples/make_prompts.py`` writes them).
 """
 
@@ -18,13 +21,8 @@ _NUMBER = re.compile(r"-?\d+")
 
 
 def score(reply: str | None, answer: str) -> float:
-    if reply is None:
-        return 0.0
-    text = reply.strip()
-    if text.rstrip(".").strip() == answer:
-        return 1.0
-    numbers = _NUMBER.findall(text)
-    return 0.5 if numbers and numbers[-1] == answer else 0.0
+    numbers = _NUMBER.findall(reply or "")
+    return 1.0 if numbers and numbers[-1] == answer else 0.0
 
 
 async def rollout(ctx: AgentContext, prompt: dict[str, Any]) -> Outcome:

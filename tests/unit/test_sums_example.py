@@ -25,15 +25,15 @@ def _agent() -> object:
     [
         ("22", 1.0),
         (" 22. ", 1.0),
-        ("14 + 8 = 22", 0.5),
-        ("The answer is 22.", 0.5),
+        ("14 + 8 = 22", 1.0),
+        ("The answer is 22.", 1.0),
         ("22 is 14 + 8", 0.0),  # its last number is not the sum
         ("twenty-two", 0.0),
         ("", 0.0),
         (None, 0.0),
     ],
 )
-def test_the_reward_asks_for_the_number_alone(reply: str | None, reward: float) -> None:
+def test_the_reward_is_the_last_number_being_the_sum(reply: str | None, reward: float) -> None:
     assert _agent().score(reply, "22") == reward  # type: ignore[attr-defined]
 
 
