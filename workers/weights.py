@@ -62,8 +62,7 @@ def publish(
 
 def publish_adapter(
     state: dict[str, Any],
-    lora: Any,
-    base_model: str,
+    config: dict[str, Any],
     root: Path,
     version: int,
     *,
@@ -71,9 +70,8 @@ def publish_adapter(
     metadata: dict[str, str] | None = None,
 ) -> str:
     """A LoRA version: only the adapter (``state``: the adapter parameters by name) and its
-    peft config, in the version's folder."""
+    peft config (``config``: ``lora.config_dict``), in the version's folder."""
     meta = {**(metadata or {}), "version": str(version)}
-    config = adapters.config_dict(lora, base_model)
     return publish_with(
         lambda path: adapters.write_adapter(state, path.parent, config, meta),
         root,

@@ -65,7 +65,7 @@ def _publish(model_dir: Path, lora: LoRAConfig | None, root: Path) -> tuple[Any,
         location = publish(sd, root, 1)
     else:
         state = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-        location = publish_adapter(state, lora, str(model_dir), root, 1)
+        location = publish_adapter(state, adapters.config_dict(lora, str(model_dir)), root, 1)
     return model, location, optimizer_bytes
 
 

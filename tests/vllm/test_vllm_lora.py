@@ -85,8 +85,9 @@ def test_vllm_in_bf16_serves_a_bf16_adapter_from_its_files(
         for n, p in tuned.named_parameters()
         if adapters.is_adapter_param(n)
     }
-    location = publish_adapter(state, lora, str(vllm_tiny_dir), tmp_path, 1)
-    adapters.apply_adapter(tuned, state, adapters.config_dict(lora), "the reference")
+    config = adapters.config_dict(lora, str(vllm_tiny_dir))
+    location = publish_adapter(state, config, tmp_path, 1)
+    adapters.apply_adapter(tuned, state, config, "the reference")
 
     engine = VLLMEngine(
         vllm_tiny_dir, VLLMEngineConfig(device="cpu", dtype="bfloat16"), lora_rank=lora.rank

@@ -103,6 +103,7 @@ class TrainerRank:
         self._writer: threading.Thread | None = None
         self._writer_error: BaseException | None = None
         self._rendezvous: Any = None
+        self._adapter_config: dict[str, Any] | None = None
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -392,7 +393,7 @@ class TrainerRank:
             if lora is None:
                 return publish(state, path, version, keep=keep, metadata=meta)
             return publish_adapter(
-                state, lora, s.model_dir, path, version, keep=keep, metadata=meta
+                state, self.adapter_config(), path, version, keep=keep, metadata=meta
             )
 
         if not background:
@@ -429,11 +430,10 @@ class TrainerRank:
         if self._rendezvous is None:
             self._rendezvous = collective.Rendezvous(collective.local_address())
         version, sd = self._staged
-        lora, model = self.settings.lora, self.settings.model_dir
         return {
             "version": version,
             # a LoRA version is its adapter alone: the receivers need its config to load it
-            "adapter": None if lora is None else adapters.config_dict(lora, model),
+            "adapter": None if self.settings.lora is None else self.adapter_config(),
             "host": self._rendezvous.host,
             "port": self._rendezvous.port,
             "tensors": [
@@ -447,6 +447,14 @@ class TrainerRank:
         goes on)."""
         assert self._staged is not None and self._staged[0] == offer["version"]
         return collective.send(self._rendezvous, collective.Offer.from_json(offer), self._staged[1])
+
+    def adapter_config(self) -> dict[str, Any]:
+        """With LoRA, the adapter's ``adapter_config.json``: the same for every version, so
+        built once (the publication's file and the broadcast's offer carry it)."""
+        assert self.settings.lora is not None
+        if self._adapter_config is None:
+            self._adapter_config = adapters.config_dict(self.settings.lora, self.settings.model_dir)
+        return self._adapter_config
 
     def publish_dtype(self) -> Any:
         """The dtype weights are published in: the one the forward computes with (bf16 under
@@ -558,7 +566,7 @@ class TrainerRank:
             adapters.write_adapter(
                 {k: v for k, v in sd.items() if adapters.is_adapter_param(k)},
                 Path(out) / "adapter",
-                adapters.config_dict(lora, self.settings.model_dir),
+                self.adapter_config(),
             )
             sd = adapters.merged_state_dict(sd, lora.alpha / lora.rank)
         config = AutoConfig.from_pretrained(self.settings.model_dir)

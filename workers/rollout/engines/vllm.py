@@ -84,7 +84,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Coroutine, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -463,77 +463,71 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM returned no output for request {request_id}")
         return final.outputs[0], int(getattr(final, "num_cached_tokens", None) or 0)
 
+    @contextlib.contextmanager
+    def _loading(self, version: int, what: str) -> Iterator[None]:
+        """Around replacing the engine's weights or adapter with version ``version``'s (the
+        caller holds the gate): done, the engine serves that version; failed, it serves
+        nothing until a later version loads, unless nothing was loaded (``BroadcastFailed``:
+        it keeps the version it had)."""
+        try:
+            yield
+        except collective.BroadcastFailed:
+            raise
+        except BaseException as e:
+            self._broken = (
+                f"loading the {what} of version {version} failed ({type(e).__name__}: {e}); "
+                "the engine serves nothing until a later version loads"
+            )
+            raise
+        self._broken = None
+        self._version = version
+
     async def _load(self, version: int, location: str) -> None:
         async with self._gate.exclusive():
-            try:
+            with self._loading(version, "weights"):
                 await self._engine.collective_rpc("rollcall_load_weights", args=(location,))
                 await self._reset_prefix_cache()
-            except BaseException as e:
-                self._broken = (
-                    f"loading the weights of version {version} failed ({type(e).__name__}: "
-                    f"{e}); the engine serves nothing until a later version loads"
-                )
-                raise
-            self._broken = None
-            self._version = version
 
     async def _load_adapter(self, version: int, location: str) -> None:
         async with self._gate.exclusive():
-            await self._use_adapter(version, location)
+            with self._loading(version, "adapter"):
+                await self._swap_adapter(version, location)
 
-    async def _use_adapter(self, version: int, location: str | Path) -> None:
+    async def _swap_adapter(self, version: int, location: str | Path) -> None:
         """LoRA: version ``version``'s adapter (a folder in peft's format) becomes the one every
         generation uses (vLLM's ``LoRARequest``, its id the version), the previous one
-        unloaded. The base weights stay. The caller holds the gate."""
+        unloaded. The base weights stay."""
         from vllm.lora.request import LoRARequest
 
         request = LoRARequest(f"v{version}", max(1, version), str(location))
-        try:
-            if self._lora is not None:
-                await self._engine.remove_lora(self._lora.lora_int_id)
-                self._lora = None
-            if not await self._engine.add_lora(request):
-                raise RuntimeError(f"vLLM did not load the adapter at {location}")
-            await self._reset_prefix_cache()
-        except BaseException as e:
-            self._broken = (
-                f"loading the adapter of version {version} failed ({type(e).__name__}: "
-                f"{e}); the engine serves nothing until a later version loads"
-            )
-            raise
+        if self._lora is not None:
+            await self._engine.remove_lora(self._lora.lora_int_id)
+            self._lora = None
+        if not await self._engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapter at {location}")
+        await self._reset_prefix_cache()
         self._lora = request
-        self._broken = None
-        self._version = version
 
     async def _receive(self, offer: Any, who: str, address: str) -> None:
         # a LoRA version's adapter is written by the worker into this engine's own folder
         # (removed with it, also by the watchdog), then loaded from there
         folder = self._sockets / "received" / f"v{offer.version:06d}" if offer.adapter else None
         async with self._gate.exclusive():
-            try:
+            with self._loading(offer.version, "weights" if folder is None else "adapter"):
                 results = await self._engine.collective_rpc(
                     "rollcall_receive_weights",
                     args=(offer.to_json(), who, address, None if folder is None else str(folder)),
                 )
-            except BaseException as e:
-                self._broken = (
-                    f"loading the weights of version {offer.version} failed "
-                    f"({type(e).__name__}: {e}); the engine serves nothing until a later "
-                    "version loads"
-                )
-                raise
-            errors = [r["error"] for r in results if r.get("error")]
-            if errors:  # nothing was loaded
-                raise collective.BroadcastFailed(errors[0])
-            if folder is not None:
-                await self._use_adapter(offer.version, folder)
-                for old in folder.parent.iterdir():  # the adapters received before
-                    if old != folder:
-                        shutil.rmtree(old, ignore_errors=True)
-                return
-            await self._reset_prefix_cache()
-            self._broken = None
-            self._version = offer.version
+                errors = [r["error"] for r in results if r.get("error")]
+                if errors:  # nothing was loaded
+                    raise collective.BroadcastFailed(errors[0])
+                if folder is None:
+                    await self._reset_prefix_cache()
+                    return
+                await self._swap_adapter(offer.version, folder)
+            for old in folder.parent.iterdir():  # the adapters received before
+                if old != folder:
+                    shutil.rmtree(old, ignore_errors=True)
 
     async def _reset_prefix_cache(self) -> None:
         for _ in range(RESET_ATTEMPTS):
