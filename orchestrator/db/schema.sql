@@ -323,6 +323,36 @@ BEGIN
     RETURN part;
 END $$;
 
+-- A job's events older than p_age_s or beyond its newest p_count (NULL: that limit is off), at
+-- most p_batch of them, never one of the last hour nor the job's newest of each kind; returns
+-- how many were deleted (the driver's retention pass). SECURITY DEFINER: the runtime role has
+-- no DELETE on events, so this rule is the only way it can prune the audit log.
+CREATE FUNCTION rollcall_drop_old_events(
+    p_job bigint, p_age_s double precision, p_count bigint, p_batch integer
+) RETURNS bigint
+LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
+DECLARE
+    n bigint;
+BEGIN
+    WITH newest_of_kind AS (
+        SELECT max(id) AS id FROM events WHERE job_id = p_job GROUP BY kind
+    ), beyond_count AS (
+        SELECT id FROM events WHERE job_id = p_job AND p_count IS NOT NULL
+        ORDER BY id DESC OFFSET p_count LIMIT 1
+    ), doomed AS (
+        SELECT id FROM events
+        WHERE job_id = p_job
+          AND created_at < now() - interval '1 hour'
+          AND (created_at < now() - make_interval(secs => p_age_s)
+               OR id <= (SELECT id FROM beyond_count))
+          AND id NOT IN (SELECT id FROM newest_of_kind)
+        ORDER BY id LIMIT p_batch
+    )
+    DELETE FROM events WHERE id IN (SELECT id FROM doomed);
+    GET DIAGNOSTICS n = ROW_COUNT;
+    RETURN n;
+END $$;
+
 -- One claim attempt in one statement (run in autocommit): the task lock is held only while the
 -- function runs. Every statement of a VOLATILE function sees a fresh snapshot, so the count of
 -- leased episodes taken after the task lock includes every lease committed before it.

@@ -46,6 +46,7 @@ REFUSED = [
     "DROP TABLE {partition}",
     "TRUNCATE events",
     "DELETE FROM train_steps",
+    "DELETE FROM events",  # the audit log: pruned only by its retention rule
 ]
 
 
@@ -135,7 +136,15 @@ def test_runtime_role_runs_a_job_s_database_work_and_is_refused_ddl(
         commit = buf.commit_step(0, checkpoint_uri="file:///c/0", metrics={"train_s": 0.1})
         assert commit.policy_version == 1
         assert buf.drop_old_payloads()[0] == batch.num_trajectories  # retention deletes
-        assert buf.drop_old_events(3_600.0, 1_000) == 0  # and may delete old events
+        with _admin(pg, rdb) as conn:  # three events of the job two days old
+            conn.execute(
+                "INSERT INTO events (job_id, kind, actor, message, created_at) SELECT %s, "
+                "'test.old', 'test', 'e', now() - interval '2 days' FROM generate_series(1, 3)",
+                (buf.job_id,),
+            )
+        # and ages the audit log out (through rollcall_drop_old_events: it has no DELETE on
+        # events), the newest of a kind kept
+        assert buf.drop_old_events(3_600.0, 1_000) == 2
         buf.expire_stale()
         buf.sweep_expired_leases()
         buf.sweep_dead_workers(10.0, 30.0)

@@ -12,34 +12,14 @@ from rollcall.orchestrator.db import jsontext
 from rollcall.orchestrator.db.models import Event
 from rollcall.orchestrator.domain import EventView
 
-# Events of the last hour are never dropped, whatever the count (readers of recent events:
-# the user-error reports' cursor, `rollcall job events --since`, a drill's or chaos run's
-# window), nor a job's newest event of each kind (the driver's metrics address, the last
-# pause of a task, the last drill of each kind).
-KEEP_RECENT_S = 3600.0
-
-# A job's events older than :age_s, or beyond its newest :count, at most :batch of them,
-# except those of the last :recent_s and its newest event of each kind; the condition that
-# is off (age or count) is NULL. Ids grow with time (a sequence), so the newest :count are
-# those above the (count + 1)-th newest id.
+# The retention rule is the database's (rollcall_drop_old_events, migration 0010): the runtime
+# role may delete events only through it. Events of the last hour are never dropped, whatever
+# the count (readers of recent events: the user-error reports' cursor, `rollcall job events
+# --since`, a drill's or chaos run's window), nor a job's newest event of each kind (the
+# driver's metrics address, the last pause of a task, the last drill of each kind).
 _DROP_OLD = text(
-    """
-    WITH newest_of_kind AS (
-        SELECT max(id) AS id FROM events WHERE job_id = :j GROUP BY kind
-    ), beyond_count AS (
-        SELECT id FROM events WHERE job_id = :j AND CAST(:count AS bigint) IS NOT NULL
-        ORDER BY id DESC OFFSET :count LIMIT 1
-    ), doomed AS (
-        SELECT id FROM events
-        WHERE job_id = :j
-          AND created_at < now() - make_interval(secs => :recent_s)
-          AND (created_at < now() - make_interval(secs => CAST(:age_s AS double precision))
-               OR id <= (SELECT id FROM beyond_count))
-          AND id NOT IN (SELECT id FROM newest_of_kind)
-        ORDER BY id LIMIT :batch
-    )
-    DELETE FROM events WHERE id IN (SELECT id FROM doomed)
-    """
+    "SELECT rollcall_drop_old_events(CAST(:j AS bigint), CAST(:age_s AS double precision), "
+    "CAST(:count AS bigint), CAST(:batch AS integer))"
 )
 
 
@@ -103,21 +83,11 @@ class EventRepository:
         """Retention of the job's audit log (``control_plane.event_retention_s``,
         ``event_retention_count``): delete its events older than ``age_s`` and those beyond
         its newest ``count`` (None: that limit is off), at most ``batch``, never one of the
-        last ``KEEP_RECENT_S`` nor the job's newest of each kind. Returns the events
-        deleted."""
+        last hour nor the job's newest of each kind. Returns the events deleted."""
         if age_s is None and count is None:
             return 0
-        result = self.session.execute(
-            _DROP_OLD,
-            {
-                "j": job_id,
-                "age_s": age_s,
-                "count": count,
-                "recent_s": KEEP_RECENT_S,
-                "batch": batch,
-            },
-        )
-        return int(result.rowcount or 0)  # type: ignore[attr-defined]
+        params = {"j": job_id, "age_s": age_s, "count": count, "batch": batch}
+        return int(self.session.scalar(_DROP_OLD, params) or 0)
 
     def last_at(self, task_id: int, kind: str) -> datetime | None:
         """When the task's latest event of ``kind`` was recorded (None: never)."""
