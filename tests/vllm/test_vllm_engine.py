@@ -70,6 +70,37 @@ def _weights(model_dir: Path, seed: int) -> dict[str, Any]:
     return {k: (v + 0.05 * torch.randn_like(v)).contiguous() for k, v in state.items()}
 
 
+def test_tokens_count_as_vllm_generates_them_not_when_the_call_returns(vllm_engine: Any) -> None:
+    """The node's liveness (``control_plane.progress_timeout_s``) reads the engine's token
+    count: it grows while a long turn is generated, as the hf engine's does (per step). Before,
+    vLLM's tokens counted once the whole call returned, and a node in a long turn showed
+    progress only through its upkeep's one-token probes."""
+    before = vllm_engine.health().tokens_generated
+    reqs = [GenerationRequest([5, 6, 7, 9 + i], 400, 1.0, seed=i) for i in range(4)]
+    seen: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append(vllm_engine.health().tokens_generated - before)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        gens = vllm_engine.generate(reqs)
+    finally:
+        done.set()
+        watcher.join()
+    total = vllm_engine.health().tokens_generated - before
+    assert (
+        total == sum(len(g.token_ids) for g in gens)
+        and max(map(len, (g.token_ids for g in gens))) > 64
+    )
+    during = sorted({n for n in seen if 0 < n < total})
+    assert during, f"the count went from 0 to {total} at once (seen: {sorted(set(seen))})"
+
+
 def test_a_failed_load_serves_nothing_until_a_later_version_loads(
     vllm_engine: Any, vllm_tiny_dir: Path, tmp_path: Path
 ) -> None:

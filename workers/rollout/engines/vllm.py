@@ -112,6 +112,9 @@ from rollcall.workers.weights import ADAPTER_FILE, weights_file
 
 RESET_ATTEMPTS = 20  # reset_prefix_cache returns False while blocks are still in use ...
 RESET_RETRY_S = 0.05  # ... which right after the last request finished is a matter of a step
+# a request's output comes every this many tokens (and at its end): the token count the
+# node's liveness reads grows during a long turn, at one output per 16 steps, not per step
+STREAM_EVERY = 16
 WAIT_SLICE_S = 0.25  # how often a caller waiting on vLLM checks that its EngineCore lives
 
 T = TypeVar("T")
@@ -417,7 +420,9 @@ class VLLMEngine:
                     logprobs=0,  # the sampled token's log-prob only
                     stop_token_ids=[self.eos_id],
                     detokenize=False,
-                    output_kind=RequestOutputKind.FINAL_ONLY,
+                    # outputs as it goes, every STREAM_EVERY tokens: the liveness counts them
+                    output_kind=RequestOutputKind.CUMULATIVE,
+                    stream_interval=STREAM_EVERY,
                     # vLLM seeds a request's own generator: one seed per (seed, turn start)
                     seed=None if r.seed is None else seeded(r.seed, len(r.prompt_ids)),
                 )
@@ -442,16 +447,18 @@ class VLLMEngine:
                 )
                 for c, cached in (t.result() for t in tasks)
             ]
-        self._tokens += sum(len(g.token_ids) for g in gens)
         self._requests += len(requests)
         return gens
 
     async def _one(self, prompt_ids: list[int], params: Any) -> tuple[Any, int]:
-        """One request's completion, and its prompt tokens served from the prefix cache."""
+        """One request's completion, and its prompt tokens served from the prefix cache. Its
+        tokens count as they come (``health``: the node's liveness reads the count), so a turn
+        longer than ``control_plane.progress_timeout_s`` is progress, not a hang."""
         from vllm.inputs import TokensPrompt
 
         request_id = f"rollcall-{self._prefix}-{next(self._ids)}"
         final = None
+        counted = 0
         async for out in self._engine.generate(
             prompt=TokensPrompt(prompt_token_ids=list(prompt_ids)),
             sampling_params=params,
@@ -459,6 +466,10 @@ class VLLMEngine:
             lora_request=self._lora,
         ):
             final = out
+            if out.outputs:  # cumulative: every token so far
+                n = len(out.outputs[0].token_ids)
+                self._tokens += n - counted
+                counted = n
         if final is None or not final.outputs:
             raise RuntimeError(f"vLLM returned no output for request {request_id}")
         return final.outputs[0], int(getattr(final, "num_cached_tokens", None) or 0)
