@@ -48,7 +48,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 import sqlalchemy as sa  # noqa: E402
 import yaml  # noqa: E402
 
-from ops.chaos import percentile  # noqa: E402
+from ops.soak_report import report_lines, totals_of, unprovoked  # noqa: E402
 from ops.soak_sampling import Sampler, orphans, plot, slopes  # noqa: E402
 from rollcall.orchestrator import procfs  # noqa: E402
 from rollcall.orchestrator.buffer.invariants import check_invariants  # noqa: E402
@@ -477,6 +476,14 @@ class Soak:
             events: dict[str, int] = dict(tx.session.execute(sa.text(
                 "SELECT kind, count(*) FROM events WHERE job_id = :j GROUP BY kind"),
                 {"j": self.drills.job.id}).all())  # fmt: skip
+            downs = [
+                (at.timestamp(), str(slot), str(reason))
+                for at, slot, reason in tx.session.execute(sa.text(
+                    "SELECT created_at, payload->>'slot', payload->>'reason' FROM events "
+                    "WHERE job_id = :j AND kind IN ('worker.restarting', 'worker.machine_lost', "
+                    "'worker.failed') ORDER BY id"),
+                    {"j": self.drills.job.id}).all()
+            ]  # fmt: skip
             # each failed start with the last lines of its evidence (the root cause last)
             failed_starts = [
                 {"message": m, "evidence": list(e or [])[-6:]}
@@ -504,69 +511,13 @@ class Soak:
             orphans_at_end=left,
             events=events,
             failed_starts=failed_starts,
+            downs=len(downs),
+            unprovoked=unprovoked(downs, self.reports, self.args.timeout),
             slopes=slopes(sampler.path),
         )
         plot(sampler.path, self.home / "soak.png", f"soak: {totals['faults']} faults")
         (self.home / "report.json").write_text(json.dumps(totals, indent=1))
         return totals
-
-
-def report_lines(t: dict[str, Any]) -> list[str]:
-    """The report for a terminal: faults by kind with detection and recovery p50/p95/max,
-    what was lost, the end's checks, failed starts, and the processes' slopes."""
-
-    def fig(v: Any) -> str:
-        return "-" if v is None else f"{v:.1f}"
-
-    lines = [
-        f"{t['faults']} faults in {t['wall_s'] / 3600:.2f} h, {t['steps']} steps; lost "
-        f"{t['lost']}, duplicated {t['duplicated']} (at the end {t['duplicated_at_end']}); "
-        f"invariants: {t['final_invariants']}; drivers {t['drivers']}, the last ended "
-        f"{'cleanly' if t['driver_ended'] and t['driver_rc'] == 0 else 'NOT cleanly'}; "
-        f"orphans at the end: {len(t['orphans_at_end'])}",
-        f"{'kind':<28}{'n':>5}{'failed':>7}  detection p50/p95/max s   recovery p50/p95/max s",
-    ]
-    for kind, k in sorted(t["by_kind"].items()):
-        det = "/".join(fig(k[f"detection_{q}_s"]) for q in ("p50", "p95", "max"))
-        rec = "/".join(fig(k[f"recovery_{q}_s"]) for q in ("p50", "p95", "max"))
-        lines.append(f"{kind:<28}{k['n']:>5}{k['failed']:>7}  {det:<24} {rec}")
-    lines += [f"FAILED {f}" for f in t["failed"]]
-    lines += [f"driver ended on its own: {e}" for e in t["driver_exits"]]
-    lines += [f"failed start: {f['message']}" for f in t["failed_starts"]]
-    shown = (".pss_mb", ".threads", ".open_files", ".mb", ".database_mb", ".wal_mb", ".orphans",
-             ".ray_workers")  # fmt: skip
-    growth = {k: v for k, v in t["slopes"].items() if k.endswith(shown)}
-    lines.append("slopes per hour (after the warm-up): " + "; ".join(
-        f"{k} {v['per_hour']:+.2f}" + (f" ({v['pct_per_hour']:+.1f}%)"
-                                        if v["pct_per_hour"] is not None else "")
-        for k, v in sorted(growth.items())))  # fmt: skip
-    return lines
-
-
-def totals_of(reports: list[DrillReport]) -> dict[str, Any]:
-    kinds = sorted({r.drill for r in reports})
-    per_kind: dict[str, Any] = {}
-    for kind in kinds:
-        chosen = [r for r in reports if r.drill == kind]
-        row: dict[str, Any] = {"n": len(chosen), "failed": sum(not r.passed for r in chosen)}
-        for name in ("detection", "recovery"):
-            vals = [v for r in chosen if (v := getattr(r, f"{name}_s")) is not None]
-            for q, label in ((0.5, "p50"), (0.95, "p95"), (1.0, "max")):
-                v = percentile(vals, q)
-                row[f"{name}_{label}_s"] = None if v is None else round(v, 2)
-        per_kind[kind] = row
-    return {
-        "faults": len(reports),
-        "by_kind": per_kind,
-        "lost": sum(r.lost for r in reports),
-        "duplicated": sum(r.duplicated for r in reports),
-        "failed": [
-            f"{r.drill} {r.target}: " + "; ".join(n for n in (r.invariant_summary, *r.notes) if n)
-            for r in reports
-            if not r.passed
-        ],
-        "kinds": dict(Counter(r.drill for r in reports)),
-    }
 
 
 def _tool_processes(node_pids: set[int]) -> list[int]:
