@@ -3,6 +3,7 @@ percentiles, what was lost, the downs no fault explains, and the processes' slop
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from typing import Any
@@ -13,6 +14,8 @@ from rollcall.orchestrator.services.drills import DrillReport
 # a down this long after a fault's recovery is still the fault's (a second death of a slot
 # restarted into the fault's aftermath, a verdict Ray gave late)
 DOWN_SLACK_S = 30.0
+# faults at the whole job: any slot may go down in their window
+JOB_WIDE = ("kill-driver", "crash-db")
 
 
 def report_lines(t: dict[str, Any]) -> list[str]:
@@ -38,8 +41,9 @@ def report_lines(t: dict[str, Any]) -> list[str]:
     lines += [f"driver ended on its own: {e}" for e in t["driver_exits"]]
     lines += [f"failed start: {f['message']}" for f in t["failed_starts"]]
     lines.append(
-        f"nodes and ranks down {t['downs']} times, {len(t['unprovoked'])} outside every fault "
-        "(from a fault to its recovery)" + "".join(f"\n  {u}" for u in t["unprovoked"])
+        f"nodes and ranks down {t['downs']} times, {len(t['unprovoked'])} that no fault "
+        "explains (outside its slot's faults, from a fault to its recovery)"
+        + "".join(f"\n  {u}" for u in t["unprovoked"])
     )
     shown = (".pss_mb", ".threads", ".open_files", ".mb", ".database_mb", ".wal_mb", ".orphans",
              ".ray_workers")  # fmt: skip
@@ -55,18 +59,20 @@ def unprovoked(
     downs: list[tuple[float, str, str]], reports: list[DrillReport], timeout_s: float
 ) -> list[str]:
     """The downs (a node or rank restarted, its machine lost, or failed for good: ``(epoch
-    seconds, slot, reason)``) outside every fault's window, from the fault to its recovery
-    (``timeout_s`` where it did not recover) and ``DOWN_SLACK_S`` more: a false verdict
-    (a busy node declared hung) or a defect, never a fault's doing. Each as ``HH:MM:SS slot:
-    reason``."""
-    windows = [
-        (r.fault_at, r.fault_at + (timeout_s if r.recovery_s is None else r.recovery_s))
-        for r in reports
-    ]
+    seconds, slot, reason)``) that no fault explains: outside the window, from the fault to its
+    recovery (``timeout_s`` where it did not recover) and ``DOWN_SLACK_S`` more, of every fault
+    at that slot (its target names it) or at the whole job (the driver, the database). A false
+    verdict (a busy node declared hung) or a defect. Each as ``HH:MM:SS slot: reason``."""
+
+    def explains(r: DrillReport, at: float, slot: str) -> bool:
+        end = r.fault_at + (timeout_s if r.recovery_s is None else r.recovery_s) + DOWN_SLACK_S
+        at_slot = r.drill in JOB_WIDE or re.search(rf"\b{re.escape(slot)}\b", r.target)
+        return bool(at_slot) and r.fault_at <= at <= end
+
     return [
         f"{time.strftime('%H:%M:%S', time.gmtime(at))} {slot}: {reason}"
         for at, slot, reason in downs
-        if not any(start <= at <= end + DOWN_SLACK_S for start, end in windows)
+        if not any(explains(r, at, slot) for r in reports)
     ]
 
 
