@@ -449,8 +449,7 @@ class TrainerRank:
         return collective.send(self._rendezvous, collective.Offer.from_json(offer), self._staged[1])
 
     def adapter_config(self) -> dict[str, Any]:
-        """With LoRA, the adapter's ``adapter_config.json``: the same for every version, so
-        built once (the publication's file and the broadcast's offer carry it)."""
+        """With LoRA, the adapter's ``adapter_config.json``: the same for every version."""
         assert self.settings.lora is not None
         if self._adapter_config is None:
             self._adapter_config = adapters.config_dict(self.settings.lora, self.settings.model_dir)
