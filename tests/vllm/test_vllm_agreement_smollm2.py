@@ -1,6 +1,6 @@
 """Rollout and trainer agree with the ``vllm`` engine (CPU build, float32) on SmolLM2-135M-Instruct:
 the on-policy importance weight is 1 up to numerics. Its own module, so that no other vLLM engine
-(test_vllm_agreement.py's module fixture) is alive beside this one."""
+(test_vllm_engine.py's module fixture) is alive beside this one."""
 
 from __future__ import annotations
 

@@ -3,7 +3,15 @@ broadcasts each committed version over gloo to vLLM's worker process, which rece
 into staging memory and loads it in place through the worker extension
 (``rollcall_receive_weights``: the same layer-wise reload and checks as a file), and the node
 generates with it. The loss of a member mid-broadcast is tested with hf nodes
-(``tests/integration/test_weight_broadcast.py``): the receive is the same code."""
+(``tests/integration/test_weight_broadcast.py``): the receive is the same code.
+
+In the long tier (``pytest -m long``: a job of its own, one vLLM start, about 95 s under CI's
+load). Held on every push by: test_weight_broadcast_script.py (the trainer's ``collective.send``
+of full weights over gloo into vLLM's worker through ``VLLMEngine.receive_weights``, the node's
+receive, in several buckets; each version then samples exactly as its file loaded), test_vllm_lora.py
+(a vLLM node in a job with ``transport: collective``: each version broadcast, loaded by the node
+and generated with) and tests/integration/test_weight_broadcast.py (a job's membership, every
+version to every node, on hf)."""
 
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from tests.integration.test_weight_broadcast import broadcasts, config, nothing_
 pytestmark = pytest.mark.timeout(900)
 
 
+@pytest.mark.long
 def test_versions_are_broadcast_into_vllm_and_generated_with(
     ray_local: Any, vllm_tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:

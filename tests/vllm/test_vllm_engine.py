@@ -1,7 +1,10 @@
-"""The ``vllm`` engine adapter on real vLLM (CPU build): in-place weight loads that refuse a
-corrupt or incomplete file and serve nothing from half-loaded weights, a dead EngineCore that
-becomes ``EngineFailure``, and no vLLM process left behind. One engine for the module: each
-start costs 20-55 s here."""
+"""The ``vllm`` engine adapter on real vLLM (CPU build): rollout and trainer agree (the on-policy
+importance weight is 1 up to numerics), in-place weight loads that refuse a corrupt or incomplete
+file and serve nothing from half-loaded weights, a bf16 publication served by a float32 engine, a
+dead EngineCore that becomes ``EngineFailure``, and no vLLM process left behind. One engine for
+the module (each start costs 20-55 s here), in float32: its tests run in this file's order, the
+ones that need the model's own weights (version 0) first, the one that kills its EngineCore last.
+(test_vllm_agreement.py's tests, merged here onto this module's engine.)"""
 
 from __future__ import annotations
 
@@ -18,8 +21,9 @@ import pytest
 
 from rollcall.orchestrator.config import VLLMEngineConfig
 from rollcall.workers.episode.engine import EngineFailure, GenerationRequest
+from tests.support.agreement import assert_agree, describe, onpolicy_step_metrics
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
 T = 0.7
 
@@ -53,6 +57,8 @@ def _max_err(
 def vllm_engine(vllm_tiny_dir: Path) -> Iterator[Any]:
     from rollcall.workers.rollout.engines.vllm import VLLMEngine
 
+    # vLLM on CPU serves float32 when asked; dtype "auto" serves this float32 model in bf16
+    # (measured: as with dtype "bfloat16", on-policy mean log-weight 5.7e-5, max weight 1.0043)
     engine = VLLMEngine(vllm_tiny_dir, VLLMEngineConfig(device="cpu", dtype="float32"))
     try:
         yield engine
@@ -68,6 +74,18 @@ def _weights(model_dir: Path, seed: int) -> dict[str, Any]:
     state = load_file(str(model_dir / "model.safetensors"))
     state.pop("lm_head.weight", None)  # tied: the trainer publishes without it
     return {k: (v + 0.05 * torch.randn_like(v)).contiguous() for k, v in state.items()}
+
+
+# At 1.0 (the job's) and 0.7: only there do raw and temperature-scaled log-probs differ. The
+# engine still serves version 0 (the model's own weights, as the fresh trainer's).
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_vllm_engine_onpolicy_is_weight_is_one(
+    vllm_engine: Any, vllm_tiny_dir: Path, ray_local: Any, temperature: float
+) -> None:
+    assert vllm_engine.version == 0
+    m = onpolicy_step_metrics(vllm_engine, vllm_tiny_dir, temperature=temperature)
+    print(f"vllm engine (cpu, float32), tiny, T {temperature}: {describe(m)}")
+    assert_agree(m)
 
 
 def test_tokens_count_as_vllm_generates_them_not_when_the_call_returns(vllm_engine: Any) -> None:
@@ -145,6 +163,40 @@ def test_a_failed_load_serves_nothing_until_a_later_version_loads(
     assert all(g.version == 5 for g in after)
     assert _max_err(vllm_tiny_dir, newer, reqs[0], after[0]) < 1e-4
     assert vllm_engine.failure() is None
+
+
+def test_vllm_loads_bf16_published_weights_into_its_float32_model(
+    vllm_engine: Any, vllm_tiny_dir: Path, tmp_path: Path
+) -> None:
+    """A bf16 trainer's publication (``trainer.precision: bf16``) loads into a float32 vLLM
+    engine: it then samples from exactly those weights (upcast), as the trainer scores them."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rollcall.workers.trainer.forward import token_logprobs
+    from rollcall.workers.trainer.packing import pack
+    from rollcall.workers.weights import publish
+
+    torch.manual_seed(3)
+    state = load_file(str(vllm_tiny_dir / "model.safetensors"))
+    state.pop("lm_head.weight", None)  # tied: the trainer publishes without it
+    bf16 = {k: (v + 0.05 * torch.randn_like(v)).to(torch.bfloat16) for k, v in state.items()}
+    version = vllm_engine.version + 1  # the module's engine has loaded others before
+    vllm_engine.load_weights(version, publish(bf16, tmp_path, version))
+    req = GenerationRequest([5, 6, 7, 8, 9], 24, 1.0)
+    (gen,) = vllm_engine.generate([req])
+    assert gen.version == version
+
+    model = AutoModelForCausalLM.from_pretrained(str(vllm_tiny_dir), dtype=torch.float32).eval()
+    model.load_state_dict({k: v.float() for k, v in bf16.items()}, strict=False)
+    model.tie_weights()
+    with torch.no_grad():
+        lp = token_logprobs(model, pack([req.prompt_ids + gen.token_ids], device="cpu"))[0]
+    n = len(req.prompt_ids)
+    err = max(abs(float(lp[n + i]) - b) for i, b in enumerate(gen.logprobs))
+    print(f"vllm float32 engine on bf16-published weights: max log-prob error {err:.2e}")
+    assert err < 1e-4
 
 
 def test_a_dead_engine_core_is_an_engine_failure_and_leaves_no_process(
