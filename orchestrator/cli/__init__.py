@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 
 from rollcall.orchestrator import __version__
+from rollcall.orchestrator.cli import configs as config_cmd
 from rollcall.orchestrator.cli import db as db_cmd
 from rollcall.orchestrator.cli import drill as drill_cmd
 from rollcall.orchestrator.cli import job as job_cmd
@@ -35,6 +36,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",  # help paragraphs reflow (rich mode keeps their line breaks)
 )
+app.add_typer(config_cmd.app, name="config")
 app.add_typer(db_cmd.app, name="db")
 app.add_typer(drill_cmd.app, name="drill")
 app.add_typer(job_cmd.app, name="job")

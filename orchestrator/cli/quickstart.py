@@ -1,6 +1,8 @@
 """``rollcall quickstart``: the README's first command.
 
-It runs ``configs/quickstart.yaml``: starts the embedded PostgreSQL (unless the config names a
+It runs the shipped ``quickstart`` config (``configs/quickstart.yaml`` in the source tree,
+``rollcall/configs/quickstart.yaml`` in the installed package; ``rollcall config show
+quickstart`` prints it): starts the embedded PostgreSQL (unless the config names a
 database), migrates it to head, builds the tiny local model if it is missing, and runs the job
 (rollout nodes and the trainer on a local Ray) until its last step. A second quickstart starts
 a new job (``quickstart-2``, ...) unless ``--resume`` continues the last one.
@@ -13,9 +15,8 @@ from typing import Annotated
 
 import typer
 
+from rollcall.orchestrator.cli.configs import shipped_config
 from rollcall.orchestrator.errors import UserError
-
-REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def quickstart(
@@ -29,7 +30,10 @@ def quickstart(
     config: Annotated[
         Path | None,
         typer.Option(
-            "--config", help="Job config (default: configs/quickstart.yaml).", show_default=False
+            "--config",
+            help="Job config (default: the shipped quickstart config, `rollcall config show "
+            "quickstart`).",
+            show_default=False,
         ),
     ] = None,
     resume: Annotated[
@@ -43,13 +47,13 @@ def quickstart(
     """Train the tiny model on the built-in tasks (CPU, embedded PostgreSQL, local Ray).
 
     Starts and migrates the embedded PostgreSQL (unless the config names a database), copies
-    the shipped tiny model into ROLLCALL_HOME/models/tiny if it is missing, and runs
-    configs/quickstart.yaml to the end. A second quickstart runs a new job (quickstart-2, ...)
-    unless --resume continues the last one."""
+    the shipped tiny model into ROLLCALL_HOME/models/tiny if it is missing, and runs the
+    shipped quickstart config (`rollcall config show quickstart`) to the end. A second
+    quickstart runs a new job (quickstart-2, ...) unless --resume continues the last one."""
     from rollcall.orchestrator.cli.run import report, run_job
     from rollcall.orchestrator.config import load_config
 
-    path = config or REPO_CONFIGS / "quickstart.yaml"
+    path = config or shipped_config("quickstart")
     if not path.exists():
         raise UserError(f"quickstart config {path} does not exist; pass --config FILE")
     cfg = load_config(path, overrides or [])

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 
 def run(
     ctx: typer.Context,
-    config: Annotated[Path, typer.Argument(help="Job config YAML (see configs/).")],
+    config: Annotated[
+        Path, typer.Argument(help="Job config YAML (`rollcall config list`: the shipped ones).")
+    ],
     overrides: Annotated[
         list[str] | None,
         typer.Argument(
@@ -243,6 +245,7 @@ NEXT_STEPS = (
     "rollcall drill kill-rollout            kill a rollout node; nothing is lost",
     "rollcall run configs/smollm2.yaml      a real instruct model with tool calls",
     "rollcall run configs/quickstart-vllm.yaml   the quickstart on vLLM (CPU)",
+    "rollcall config show NAME > FILE       a shipped config to edit (config list)",
 )
 
 
