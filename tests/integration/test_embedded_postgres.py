@@ -27,6 +27,17 @@ def home() -> Iterator[Path]:
     shutil.rmtree(h, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def server_home() -> Iterator[Path]:
+    """One home (one ``initdb``) for the tests of a server's life after its first start: each
+    takes the server as the one before left it (running or stopped) and starts it itself. The
+    first of them, ``test_start_reuse_stop_restart``, gets it fresh (its file order)."""
+    h = short_tmpdir("rc-emb-")
+    yield h
+    EmbeddedPostgres(h).stop()
+    shutil.rmtree(h, ignore_errors=True)
+
+
 def _query(server: EmbeddedPostgres) -> int:
     with psycopg.connect(
         host=str(server.socket_dir), port=5432, user="postgres", dbname="rollcall"
@@ -42,7 +53,8 @@ def _postmaster_pid(server: EmbeddedPostgres) -> int:
     return pid
 
 
-def test_start_reuse_stop_restart(home: Path) -> None:
+def test_start_reuse_stop_restart(server_home: Path) -> None:
+    home = server_home
     server = EmbeddedPostgres(home)
     st = server.status()
     assert not st.running and not st.initialised
@@ -65,7 +77,8 @@ def test_start_reuse_stop_restart(home: Path) -> None:
     _query(server)
 
 
-def test_data_survives_restart(home: Path) -> None:
+def test_data_survives_restart(server_home: Path) -> None:
+    home = server_home
     server = EmbeddedPostgres(home)
     server.ensure_running()
     with psycopg.connect(
@@ -97,7 +110,8 @@ CLIENT = textwrap.dedent(
 )
 
 
-def test_survives_sigkilled_client(home: Path) -> None:
+def test_survives_sigkilled_client(server_home: Path) -> None:
+    home = server_home
     proc = subprocess.Popen(
         [sys.executable, "-c", CLIENT, str(home)], stdout=subprocess.PIPE, text=True
     )
@@ -121,7 +135,8 @@ def test_survives_sigkilled_client(home: Path) -> None:
     _query(server)
 
 
-def test_restarts_after_postmaster_sigkill(home: Path) -> None:
+def test_restarts_after_postmaster_sigkill(server_home: Path) -> None:
+    home = server_home
     server = EmbeddedPostgres(home)
     server.ensure_running()
     pid = _postmaster_pid(server)
@@ -181,6 +196,7 @@ def test_cli_db_commands_on_embedded(home: Path) -> None:
     assert r.returncode == 0 and '"calc"' in r.stdout
 
 
+@pytest.mark.timeout(600)  # five `rollcall run` processes: 232-286 s at a load of 50
 def test_run_migrates_a_fresh_embedded_database_but_not_an_external_one(
     home: Path, empty_db_url: str
 ) -> None:
@@ -208,9 +224,10 @@ def test_run_migrates_a_fresh_embedded_database_but_not_an_external_one(
         assert row == (0,)
 
 
-def test_its_log_is_rotated_at_a_start_once_over_its_bound(home: Path) -> None:
+def test_its_log_is_rotated_at_a_start_once_over_its_bound(server_home: Path) -> None:
     """``postgres.log`` (the server's stderr) grows over a job of weeks, a restart at a time:
     a start finding it over ``LOG_MAX_BYTES`` moves it to ``postgres.log.1`` (one kept)."""
+    home = server_home
     from rollcall.orchestrator.db import embedded
 
     server = EmbeddedPostgres(home)
@@ -225,7 +242,8 @@ def test_its_log_is_rotated_at_a_start_once_over_its_bound(home: Path) -> None:
     _query(server)
 
 
-def test_an_immediate_stop_is_a_crash_it_recovers_from(home: Path) -> None:
+def test_an_immediate_stop_is_a_crash_it_recovers_from(server_home: Path) -> None:
+    home = server_home
     server = EmbeddedPostgres(home)
     server.ensure_running()
     assert server.stop(mode="immediate") is True
