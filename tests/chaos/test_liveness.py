@@ -4,16 +4,18 @@ the engine seam (``tests/support/faults.py``):
 
 - a node whose engine is merely slow (every call 12 s, longer than the heartbeat timeout),
   under CPU overload (busy loops, 3x the cores), is never declared dead and nothing is
-  requeued; the same engine hung, still under the overload, is declared dead for want of
-  progress, and its restart finishes the step;
-- a node whose start is slower than ``start_timeout_s`` but beats is not restarted;
-- a node whose constructor always fails ends ``failed`` after its budget (the job goes on
-  with the other node), and a job left with no node stops with one sentence;
-- a node whose engine raises on every call, beside a healthy one, quarantines nothing: its
-  breaker trips and the healthy node does the work."""
+  requeued; the same engine hung is declared dead for want of progress, and its restart
+  finishes a step (per push: the overload only around the slow phase; the long tier: the
+  overload from before the job's start until the hang verdict);
+- in one job of four nodes beside each other: a node whose start is slower than
+  ``start_timeout_s`` but beats is not restarted; a node whose constructor always fails ends
+  ``failed`` after its budget (the job goes on with the others); a node whose engine raises
+  on every call quarantines nothing: its breaker trips and the healthy node does the work;
+- a job left with no node stops with one sentence."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,10 +24,12 @@ import pytest
 import sqlalchemy as sa
 
 from ops.chaos import BusyLoops
+from rollcall.orchestrator.config import RollcallConfig
 from rollcall.orchestrator.db.engine import Database
 from rollcall.orchestrator.errors import JobFailedError
 from tests.chaos.test_faults import _assert_nothing_lost, _config, _driver, _run_with
 from tests.integration.buffer_helpers import rows, scalar
+from tests.support.faults import slow_calls_within
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(600)
@@ -44,21 +48,16 @@ def _events(engine: sa.Engine, kind: str) -> list[Any]:
     return rows(engine, "SELECT message, payload FROM events WHERE kind = :k ORDER BY id", k=kind)
 
 
+def _slot_events(engine: sa.Engine, kind: str, slot: str) -> list[dict[str, Any]]:
+    """The payloads of the supervisor's events of ``kind`` about ``slot``."""
+    return [p for _, p in _events(engine, kind) if p.get("slot") == slot]
+
+
 def _requeued(engine: sa.Engine) -> int:
     return int(scalar(engine, "SELECT coalesce(sum(requeued_leases), 0) FROM tasks"))
 
 
-@pytest.mark.timeout(1200)
-def test_slow_engine_under_cpu_overload_keeps_beating_and_a_hung_one_is_found(
-    ray_local: Any,
-    tiny_dir: Path,
-    db: Database,
-    engine: sa.Engine,
-    tmp_path: Path,
-    cpu_overload: BusyLoops,
-) -> None:
-    flags = tmp_path / "flags"
-    flags.mkdir()
+def _slow_engine_config(tmp_path: Path, tiny_dir: Path) -> RollcallConfig:
     # the default liveness bounds (beats every 2 s, dead after 10 s without one, hung after
     # 30 s without progress);
     # every generate call takes 12 s. One single-turn task and one group a step, so that a
@@ -70,8 +69,74 @@ def test_slow_engine_under_cpu_overload_keeps_beating_and_a_hung_one_is_found(
     )
     calc = cfg.tasks[0].model_copy(update={"spec": {"group_size": 2, "max_turns": 1}})
     buffer = cfg.buffer.model_copy(update={"batch_groups": 1})
-    cfg = cfg.model_copy(update={"control_plane": cp, "tasks": [calc], "buffer": buffer})
-    driver = _driver(cfg, db, tiny_dir, tmp_path)
+    return cfg.model_copy(update={"control_plane": cp, "tasks": [calc], "buffer": buffer})
+
+
+def test_slow_engine_under_cpu_overload_keeps_beating_and_a_hung_one_is_found(
+    ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
+) -> None:
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    driver = _driver(_slow_engine_config(tmp_path, tiny_dir), db, tiny_dir, tmp_path)
+    driver.engine_hooks[0] = f"{HOOKS}:slow_logged:{flags}"
+    slow_phase: dict[str, Any] = {}
+
+    def fault() -> None:
+        assert driver.supervisor is not None
+        node = driver.supervisor.slots[0]
+        wait_for("the node up", lambda: node.state == "alive", timeout_s=300)
+        # the overload only around the slow phase (the long tier's test below: from before the
+        # job's start until the hang verdict): two whole slow calls of 12 s each in a row, past
+        # the 10 s heartbeat timeout, and a step (weights published, loaded while the engine
+        # is busy) under it: no death, no requeue, no restart
+        with BusyLoops() as loops:
+            since, step = time.time(), driver.step
+            wait_for(
+                "2 whole slow calls and a step under the overload",
+                lambda: slow_calls_within(flags, since) >= 2 and driver.step > step,
+                timeout_s=400,
+                detail=lambda: f"{slow_calls_within(flags, since)} calls, step {driver.step}",
+            )
+            slow_phase["dead"] = _events(engine, "worker.dead")
+            slow_phase["requeued"] = _requeued(engine)
+            slow_phase["restarts"] = node.restarts
+            slow_phase["loops"] = loops.n
+        slow_phase["step"] = driver.step
+        (flags / "hang").touch()  # now the engine hangs: its beats go on, its progress stops
+        wait_for("the hung node declared dead", lambda: _events(engine, "worker.dead"), 120)
+        (flags / "hang").unlink()
+        # the restarted node's calls are no longer slowed; it finishes a step
+        (flags / "fast").touch()
+        found = driver.step
+        wait_for("a step by the restarted node", lambda: driver.step > found, timeout_s=300)
+
+    result = _run_with(driver, fault, stop_after_fault=True)
+    assert slow_phase["loops"] >= 3
+    assert slow_phase["dead"] == [] and slow_phase["requeued"] == 0
+    assert slow_phase["restarts"] == 0
+    (message, payload), *_ = _events(engine, "worker.dead")
+    assert "no generation progress" in payload["reason"], message
+    # the job went on past the hang, on the restarted node's work
+    assert result.steps >= max(2, slow_phase["step"] + 1)
+    _assert_nothing_lost(db, engine, result.steps)
+
+
+@pytest.mark.long
+@pytest.mark.timeout(1200)
+def test_long_slow_engine_under_cpu_overload_from_the_start_and_hung_under_it(
+    ray_local: Any,
+    tiny_dir: Path,
+    db: Database,
+    engine: sa.Engine,
+    tmp_path: Path,
+    cpu_overload: BusyLoops,
+) -> None:
+    """The long tier's form of the test above (that one holds the property per push): the
+    overload from before the driver's setup (the trainer's and the node's start under it),
+    two slow steps, and the hang found still under the overload."""
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    driver = _driver(_slow_engine_config(tmp_path, tiny_dir), db, tiny_dir, tmp_path)
     driver.engine_hooks[0] = f"{HOOKS}:slow:{flags}"
     slow_phase: dict[str, Any] = {}
 
@@ -82,13 +147,12 @@ def test_slow_engine_under_cpu_overload_keeps_beating_and_a_hung_one_is_found(
         wait_for("2 steps of the slow engine", lambda: driver.step >= 2, timeout_s=600)
         slow_phase["dead"] = _events(engine, "worker.dead")
         slow_phase["requeued"] = _requeued(engine)
+        assert driver.supervisor is not None
         slow_phase["restarts"] = driver.supervisor.slots[0].restarts
         (flags / "hang").touch()  # now the engine hangs: its beats go on, its progress stops
         wait_for("the hung node declared dead", lambda: _events(engine, "worker.dead"), 120)
         (flags / "hang").unlink()
-        # the overload ends with the phases it is for (it took the machine's CPU from the
-        # tests beside this one for the node's restart and the job's last steps too); the
-        # restarted node finishes a step
+        # the overload ends with the phases it is for; the restarted node finishes a step
         cpu_overload.end()
         found = driver.step
         wait_for("a step by the restarted node", lambda: driver.step > found, timeout_s=300)
@@ -104,39 +168,109 @@ def test_slow_engine_under_cpu_overload_keeps_beating_and_a_hung_one_is_found(
     _assert_nothing_lost(db, engine, result.steps)
 
 
-def test_a_slow_start_that_beats_is_not_restarted(
+# a node whose process registers later than this is restarted: the default (with 30 s, a
+# fresh-clone CI run under load 6-7 saw the process itself take longer than that to register;
+# with 60 s, four nodes starting at once under load 40 did not register in time)
+START_TIMEOUT_S = 120.0
+
+
+def _trips(engine: sa.Engine, name: str) -> list[Any]:
+    """The ``worker.breaker_tripped`` events of the incarnations of node ``name``."""
+    ids = {r[0] for r in rows(engine, "SELECT id FROM workers WHERE name = :n", n=name)}
+    return [(m, p) for m, p in _events(engine, "worker.breaker_tripped") if p["worker_id"] in ids]
+
+
+def test_slow_start_never_starting_and_broken_nodes_beside_a_healthy_one(
     ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:
-    # the engine comes up 75 s after the node registered, past start_timeout_s (60 s): the
-    # node registered first and beats, so it is starting, not dead. (With 30 s, a fresh-clone
-    # CI run under load 6-7 saw the process itself take longer than that to register.)
-    cfg = _config(tmp_path, tiny_dir, steps=2, nodes=1, start_timeout_s=60.0)
+    """One job, four nodes: rollout-0 healthy; rollout-1 comes up only after start_timeout_s
+    (registered, beating); rollout-2's constructor always fails; rollout-3's engine raises on
+    every call. steps: a ceiling; the job stops once each has shown its behaviour (else the
+    healthy node could finish the job before the broken one failed three episodes)."""
+    flags = tmp_path / "flags"
+    flags.mkdir()
+    cfg = _config(
+        tmp_path, tiny_dir, steps=500, nodes=4, max_restarts=2, restart_window_s=600,
+        start_timeout_s=START_TIMEOUT_S,
+    )  # fmt: skip
+    # the default liveness bounds (dead after 10 s without a beat): four nodes loading their
+    # engines at once beside a loaded machine's other tests went 5 s without one (none of the
+    # properties here is about the heartbeat timeout)
+    cp = cfg.control_plane.model_copy(
+        update={"heartbeat_timeout_s": 10.0, "progress_timeout_s": 30.0}
+    )
+    cfg = cfg.model_copy(update={"control_plane": cp})
     driver = _driver(cfg, db, tiny_dir, tmp_path)
-    driver.engine_hooks[0] = f"{HOOKS}:slow_start"
-    result = _run_with(driver, lambda: None)
-    assert result.steps == 2
-    assert _events(engine, "worker.restarting") == [] and _events(engine, "worker.dead") == []
-    assert scalar(engine, "SELECT count(*) FROM workers WHERE role = 'rollout'") == 1
+    driver.engine_hooks[1] = f"{HOOKS}:slow_start_until:{flags}"
+    driver.engine_hooks[2] = f"{HOOKS}:never_starts"
+    driver.engine_hooks[3] = f"{HOOKS}:broken"
+    seen: dict[str, Any] = {}
 
+    def faults() -> None:
+        assert driver.supervisor is not None
+        slots = driver.supervisor.slots
+        slow = slots[1]
+        # rollout-1's engine comes up only once its start has gone on past start_timeout_s
+        # (as the supervisor counts it, from the actor's creation): registered first, it beats,
+        # so it is starting, not dead
+        wait_for(
+            "rollout-1's start past start_timeout_s",
+            lambda: time.monotonic() - slow.started_at > START_TIMEOUT_S + 2.0,
+            timeout_s=300,
+        )
+        seen["overdue"] = (slow.state, slow.worker_id is not None, slow.restarts)
+        (flags / "go").touch()
+        wait_for("rollout-1 up", lambda: slow.state == "alive", timeout_s=300)
+        seen["slow_start_s"] = slow.since - slow.started_at
+        wait_for(
+            "rollout-1 generating",
+            lambda: scalar(
+                engine, "SELECT coalesce(sum(tokens_generated), 0) FROM workers "
+                "WHERE name = 'rollout-1'",
+            ) > 0,
+            timeout_s=300,
+        )  # fmt: skip
+        wait_for("rollout-2 over its budget", lambda: slots[2].failed, timeout_s=300)
+        wait_for("rollout-3's breaker", lambda: _trips(engine, "rollout-3"), timeout_s=300)
+        # and a step trained from the healthy node's work (the breaker can trip first: seen
+        # in CI, the job stopped at step 0)
+        wait_for("a step", lambda: driver.step >= 1, timeout_s=300)
+        wait_for(
+            "rollout-3 restarting",
+            lambda: _slot_events(engine, "worker.restarting", "rollout-3"),
+            timeout_s=300,
+        )
 
-def test_a_node_that_never_starts_ends_failed_and_the_job_goes_on(
-    ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
-) -> None:
-    cfg = _config(tmp_path, tiny_dir, steps=500, nodes=2, max_restarts=2, restart_window_s=600)
-    driver = _driver(cfg, db, tiny_dir, tmp_path)
-    driver.engine_hooks[1] = f"{HOOKS}:never_starts"
-
-    def fault() -> None:
-        wait_for("rollout-1 over its budget", lambda: _events(engine, "worker.failed"), 300)
-
-    result = _run_with(driver, fault, stop_after_fault=True)
-    (message, payload), *more = _events(engine, "worker.failed")
-    assert not more and payload["slot"] == "rollout-1" and payload["restarts"] == 3
-    assert "FileNotFoundError" in payload["reason"], message
-    assert len(_events(engine, "worker.restarting")) == 2
-    assert driver.supervisor is None or driver.supervisor.slots[1].failed
+    result = _run_with(driver, faults, stop_after_fault=True)
+    assert result.steps >= 1  # the healthy node kept the job going
+    # no node was declared dead (a slow start is not a death; the others' ends are their own)
+    assert _events(engine, "worker.dead") == []
     assert not _events(engine, "worker.added")  # a failed slot is not replaced by a new one
-    assert result.steps >= 1  # rollout-0 kept the job going
+    # rollout-0, healthy, and rollout-1, slow to start, were never restarted
+    for name in ("rollout-0", "rollout-1"):
+        assert _slot_events(engine, "worker.restarting", name) == [], name
+        assert _trips(engine, name) == [], name
+        assert scalar(engine, "SELECT count(*) FROM workers WHERE name = :n", n=name) == 1, name
+    # rollout-1: registered and beating when start_timeout_s passed; up after it
+    assert seen["overdue"] == ("starting", True, 0), seen
+    assert seen["slow_start_s"] > START_TIMEOUT_S, seen
+    # rollout-2: failed after its budget, the one failed start recorded three times
+    failed = {p["slot"]: p for _, p in _events(engine, "worker.failed")}
+    assert len(_events(engine, "worker.failed")) == len(failed), failed
+    assert set(failed) <= {"rollout-2", "rollout-3"}, failed  # rollout-3: its crash loop
+    never = failed["rollout-2"]
+    assert never["restarts"] == 3 and "FileNotFoundError" in never["reason"], never
+    assert len(_slot_events(engine, "worker.restarting", "rollout-2")) == 2
+    # rollout-3: broken; nothing quarantined, its breaker tripped on the engine's error
+    assert scalar(engine, "SELECT coalesce(sum(quarantined_episodes), 0) FROM tasks") == 0
+    assert scalar(engine, "SELECT count(*) FROM episodes WHERE status = 'quarantined'") == 0
+    tripped = _trips(engine, "rollout-3")
+    assert tripped and all("RuntimeError" in m for m, _ in tripped), tripped
+    # its restarts name the breaker, never a hang (the row is marked dead by the node's own
+    # give-back before its run returns: that read as "declared dead ... (hung)")
+    restarts = [p["reason"] for p in _slot_events(engine, "worker.restarting", "rollout-3")]
+    restarts += [p["reason"] for slot, p in failed.items() if slot == "rollout-3"]
+    assert restarts and all("breaker tripped" in r or "NodeBroken" in r for r in restarts), restarts
     _assert_nothing_lost(db, engine, result.steps)
 
 
@@ -144,7 +278,8 @@ def test_a_node_that_never_starts_ends_failed_and_the_job_goes_on(
 def test_a_job_left_with_no_rollout_node_stops_with_one_sentence(
     ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
 ) -> None:
-    cfg = _config(tmp_path, tiny_dir, steps=3, nodes=1, max_restarts=1, restart_window_s=600)
+    # no restart: its first failed start puts the only node over its budget
+    cfg = _config(tmp_path, tiny_dir, steps=3, nodes=1, max_restarts=0, restart_window_s=600)
     driver = _driver(cfg, db, tiny_dir, tmp_path)
     driver.engine_hooks[0] = f"{HOOKS}:never_starts"
     with pytest.raises(JobFailedError) as err:
@@ -154,39 +289,3 @@ def test_a_job_left_with_no_rollout_node_stops_with_one_sentence(
     assert "\n" not in text
     assert len(_events(engine, "worker.failed")) == 1
     assert len(_events(engine, "job.no_rollout_nodes")) == 1
-
-
-def test_a_broken_engine_beside_a_healthy_one_quarantines_nothing(
-    ray_local: Any, tiny_dir: Path, db: Database, engine: sa.Engine, tmp_path: Path
-) -> None:
-    # steps: a ceiling; the job stops once rollout-1's breaker tripped (else a fast healthy
-    # node could finish the job before the broken one failed three episodes)
-    cfg = _config(tmp_path, tiny_dir, steps=200, nodes=2, max_restarts=2, restart_window_s=600)
-    driver = _driver(cfg, db, tiny_dir, tmp_path)
-    driver.engine_hooks[1] = f"{HOOKS}:broken"
-
-    def until_tripped() -> None:
-        wait_for("rollout-1's breaker", lambda: _events(engine, "worker.breaker_tripped"), 300)
-        # and a step trained from the healthy node's work (the breaker can trip first: seen
-        # in CI, the job stopped at step 0)
-        wait_for("a step from rollout-0", lambda: driver.step >= 1, 300)
-        wait_for(
-            "rollout-1 restarting",
-            lambda: any(p["slot"] == "rollout-1" for _, p in _events(engine, "worker.restarting")),
-            300,
-        )
-
-    result = _run_with(driver, until_tripped, stop_after_fault=True)
-    assert result.steps >= 1
-    assert scalar(engine, "SELECT coalesce(sum(quarantined_episodes), 0) FROM tasks") == 0
-    assert scalar(engine, "SELECT count(*) FROM episodes WHERE status = 'quarantined'") == 0
-    tripped = _events(engine, "worker.breaker_tripped")
-    assert tripped and all("rollout-1" not in m or "RuntimeError" in m for m, _ in tripped)
-    # its restart names the breaker, never a hang (the row is marked dead by the node's own
-    # give-back before its run returns: that read as "declared dead ... (hung)")
-    restarts = [p["reason"] for _, p in _events(engine, "worker.restarting")
-                if p["slot"] == "rollout-1"]  # fmt: skip
-    assert restarts and all("breaker tripped" in r or "NodeBroken" in r for r in restarts), restarts
-    # the healthy node was never restarted and did the work
-    assert scalar(engine, "SELECT max(incarnation) FROM workers WHERE name = 'rollout-0'") == 0
-    _assert_nothing_lost(db, engine, result.steps)

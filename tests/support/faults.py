@@ -125,3 +125,54 @@ class DeadlyEngine(_Wrapped):
 
 def deadly(engine: Engine) -> Any:
     return DeadlyEngine(engine)
+
+
+class LoggedSlowEngine(SlowEngine):
+    """``SlowEngine`` that also writes each slowed call's start and end (``time.time()``, one
+    line ``START END`` a call) to the file ``calls`` in ``flags``: a test can tell how many
+    whole slow calls ran within a window (a CPU overload's)."""
+
+    def __init__(self, inner: Engine, flags: str) -> None:
+        super().__init__(inner, flags)
+        self.calls = Path(flags) / "calls"
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
+        with self._lock:
+            while self.hang.exists():
+                time.sleep(0.2)
+            if self.fast.exists():
+                return self.inner.generate(requests)
+            start = time.time()
+            time.sleep(SLOW_GENERATE_S)
+            out = self.inner.generate(requests)
+            with self.calls.open("a") as f:
+                f.write(f"{start} {time.time()}\n")
+            return out
+
+
+def slow_logged(engine: Engine, flags: str) -> Any:
+    return LoggedSlowEngine(engine, flags)
+
+
+def slow_calls_within(flags: Path, since: float) -> int:
+    """Slow calls of a ``slow_logged`` engine that started at or after ``since`` (``time.time()``)
+    and have ended."""
+    calls = flags / "calls"
+    if not calls.exists():
+        return 0
+    done = calls.read_text().split("\n")[:-1]  # whole lines only: a write may be under way
+    return sum(1 for line in done if float(line.split()[0]) >= since)
+
+
+SLOW_START_CAP_S = 900.0
+
+
+def slow_start_until(engine: Engine, flags: str) -> Any:
+    """The engine comes up only once the flag file ``go`` exists in ``flags`` (at most
+    ``SLOW_START_CAP_S`` late): a test makes the start exactly as slow as it needs, e.g. past
+    ``start_timeout_s`` measured as the supervisor measures it."""
+    go = Path(flags) / "go"
+    deadline = time.monotonic() + SLOW_START_CAP_S
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return engine
