@@ -408,7 +408,11 @@ def test_an_agent_blocking_its_thread_does_not_get_the_node_declared_hung(
     finishing: Finishing,
 ) -> None:
     """Synchronous work in the agent (8 s) is longer than the job's progress timeout (4 s):
-    slow user code, not a hung node (one node incarnation, the first test) nor a failure."""
+    slow user code, not a hung node (one node incarnation, the first test) nor a failure.
+    The other tasks' loops generate meanwhile only until their admission is full (5 groups
+    each, trained 2 groups a step): then every busy loop waits on ``blocks``' or ``hangs``'
+    code and the engine's probe is the node's progress, as in a job of this task alone (by
+    chance, there as here: nothing counts those windows)."""
     assert finishing.errors.get(BLOCKS, []) == []
     blocked = [p for p in finishing.done.get(BLOCKS, []) if int(p["i"]) % 4 == 0]
     assert blocked, "no blocking prompt finished"
