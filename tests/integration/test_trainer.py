@@ -55,49 +55,87 @@ def _config(ranks: int) -> TrainerConfig:
     return TrainerConfig(ranks=ranks, lr=1e-3, loss=LOSS, mini_batches=2, micro_batch_tokens=120)
 
 
-@pytest.mark.timeout(600)
-def test_two_ranks_train_like_one_and_resume_matches(
-    ray_local: Any, tiny_dir: Path, tmp_path: Path
-) -> None:
-    from transformers import AutoConfig
+# The runs the tests below share (each TrainerGroup start is a set of Ray actors loading
+# torch and the model): two ranks on a warmup and cosine schedule, with an entropy bonus (GRPO's
+# advantages add up to 0 per group, so its policy term nearly cancels, -1.1e-4 here: the bonus
+# gives the loss a size, -0.06, that bf16 rounding is measured against), whole-row log-probs.
+LOSS_E = LOSS.model_copy(update={"entropy_coef": 0.01})
+TOTAL = 5  # steps each group's schedule is made for
 
-    vocab = AutoConfig.from_pretrained(tiny_dir).vocab_size
-    results: dict[str, dict[str, torch.Tensor]] = {}
-    # 1 rank and 2 ranks, 3 steps each (2 optimizer updates per step), same data.
+
+def _config2(ranks: int = 2, **update: Any) -> TrainerConfig:
+    return _config(ranks).model_copy(
+        update={
+            "loss": LOSS_E,
+            "warmup_steps": 2,
+            "schedule": "cosine",
+            "logprob_chunk_tokens": 0,
+            **update,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(ray_local: Any, tiny_dir: Path, tmp_path_factory: Any) -> dict[str, Any]:
+    """1 rank and 2 ranks, 3 steps each (2 optimizer updates per step), same data; the 2-rank
+    one checkpoints after steps 0 and 1, publishes versions 1 and 3 and trains a step 3. Then
+    a fresh 2-rank trainer resumes from the checkpoint after step 1 and trains step 2; then
+    it restarts from the checkpoint after step 0 with the newer published version 3."""
+    tmp = tmp_path_factory.mktemp("trainer")
+    vocab = _vocab(tiny_dir)
+    out: dict[str, Any] = {"tmp": tmp, "vocab": vocab}
     for ranks in (1, 2):
-        group = TrainerGroup(_config(ranks), str(tiny_dir), total_steps=4, seed=0)
+        group = TrainerGroup(_config2(ranks), str(tiny_dir), total_steps=TOTAL, seed=0)
         try:
             for step in range(3):
-                plan = _plan(step, vocab, ranks, LOSS)
+                plan = _plan(step, vocab, ranks, LOSS_E)
                 assert len({len(m) for m in plan.mini_batches[0]}) == 1  # same count per rank
                 metrics = group.train(plan)
                 assert metrics["tokens"] > 0 and np.isfinite(metrics["loss"])
-                if step == 1 and ranks == 1:
-                    ckpt = group.save_checkpoint(str(tmp_path / "ckpt-1"), step)
-            results[f"ranks{ranks}"] = _weights(group, tmp_path / f"w{ranks}", 3)
+                if ranks == 2 and step == 0:
+                    out["whole"] = metrics
+                    out["whole_weights"] = _weights(group, tmp / "whole", 1)
+                if ranks == 2 and step in (0, 1):
+                    out[f"ckpt{step}"] = group.save_checkpoint(str(tmp / f"ckpt-{step}"), step)
+            out[f"ranks{ranks}"] = _weights(group, tmp / f"w{ranks}", 3)
+            if ranks == 2:
+                out["published"] = str(Path(group.publish(str(tmp / "weights"), 3)))
+                out["lr_next"] = group.train(_plan(3, vocab, 2, LOSS_E))["lr"]
         finally:
             group.shutdown()
+    group = TrainerGroup(_config2(), str(tiny_dir), total_steps=TOTAL, seed=0)
+    try:
+        # Resume: a fresh trainer loads the checkpoint after step 1 and trains step 2.
+        out["resumed_step"] = group.load_checkpoint(out["ckpt1"])
+        group.train(_plan(2, vocab, 2, LOSS_E))
+        out["resumed"] = _weights(group, tmp / "w-resumed", 3)
+        # A restart whose checkpoint (after step 0: version 1) is older than the last
+        # published version (3).
+        group.load_checkpoint(out["ckpt0"])
+        group.load_weights(out["published"], 3)
+        out["probe"] = _weights(group, tmp / "probe", 3)
+        out["lr_resumed"] = group.train(_plan(3, vocab, 2, LOSS_E))["lr"]
+    finally:
+        group.shutdown()
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_two_ranks_train_like_one_and_resume_matches(runs: dict[str, Any], tiny_dir: Path) -> None:
     from safetensors.torch import load_file
 
     start = load_file(str(tiny_dir / "model.safetensors"))
-    one, two = results["ranks1"], results["ranks2"]
+    one, two = runs["ranks1"], runs["ranks2"]
     moved = max(float((one[k] - start[k]).abs().max()) for k in one)
     assert moved > 1e-3  # training changed the weights
     # Two ranks reduce gradients in another order: float rounding differs (2.1e-6 seen after
     # six AdamW updates at lr 1e-3), a hundred times below how far training moved the weights.
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)
-
-    # Resume: a fresh trainer loads the checkpoint after step 1 and trains step 2.
-    group = TrainerGroup(_config(1), str(tiny_dir), total_steps=4, seed=0)
-    try:
-        assert group.load_checkpoint(ckpt) == 1
-        group.train(_plan(2, vocab, 1, LOSS))
-        resumed = _weights(group, tmp_path / "w-resumed", 3)
-    finally:
-        group.shutdown()
-    for k in one:
-        torch.testing.assert_close(resumed[k], one[k], rtol=0, atol=0)
+    # Resumed from the checkpoint after step 1, step 2 gives the uninterrupted run's weights.
+    assert runs["resumed_step"] == 1
+    for k in two:
+        torch.testing.assert_close(runs["resumed"][k], two[k], rtol=0, atol=0)
 
 
 def _seq_logp(model: Any, ids: list[int], prompt: int) -> float:
@@ -182,72 +220,62 @@ def test_a_step_moves_the_policy_towards_the_rewarded_sample(
     assert max(delta[1], delta[3]) < min(delta[0], delta[2]) - 0.05, delta
 
 
-@pytest.mark.timeout(600)
 def test_two_ranks_load_published_weights_newer_than_their_checkpoint(
-    ray_local: Any, tiny_dir: Path, tmp_path: Path
+    runs: dict[str, Any],
 ) -> None:
     """A restart whose checkpoint is older than the last published version: each rank takes
     its shard of the published weights, the schedule moves to the version (the optimizer
     keeps the checkpoint's moments)."""
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(tiny_dir).vocab_size
-    config = _config(2).model_copy(update={"warmup_steps": 2, "schedule": "cosine"})
-    group = TrainerGroup(config, str(tiny_dir), total_steps=5, seed=0)
-    try:
-        group.train(_plan(0, vocab, 2, LOSS))
-        ckpt = group.save_checkpoint(str(tmp_path / "ckpt-0"), 0)  # version 1
-        for step in (1, 2):
-            group.train(_plan(step, vocab, 2, LOSS))
-        published = group.publish(str(tmp_path / "weights"), 3)
-        lr_next = group.train(_plan(3, vocab, 2, LOSS))["lr"]
-    finally:
-        group.shutdown()
-    group = TrainerGroup(config, str(tiny_dir), total_steps=5, seed=0)
-    try:
-        group.load_checkpoint(ckpt)
-        group.load_weights(published, 3)
-        probe = _weights(group, tmp_path / "probe", 3)
-        lr_resumed = group.train(_plan(3, vocab, 2, LOSS))["lr"]
-    finally:
-        group.shutdown()
     from safetensors.torch import load_file
 
-    v3 = load_file(str(Path(published) / WEIGHTS_FILE))
+    probe = runs["probe"]
+    v3 = load_file(str(Path(runs["published"]) / WEIGHTS_FILE))
     assert probe.keys() == v3.keys()
     for k in v3:
         torch.testing.assert_close(probe[k], v3[k], rtol=0, atol=0)
-    assert lr_resumed == pytest.approx(lr_next)
+    assert runs["lr_resumed"] == pytest.approx(runs["lr_next"])
 
 
-@pytest.mark.timeout(900)
+@pytest.fixture(scope="module")
+def variants(runs: dict[str, Any], tiny_dir: Path) -> dict[str, Any]:
+    """Step 0 of the shared 2-rank run again, with log-probs a few positions at a time and
+    activation checkpointing, and in bf16 (whose publication is loaded back too)."""
+    tmp, vocab = runs["tmp"], runs["vocab"]
+    out: dict[str, Any] = {"metrics": {"whole": runs["whole"]}}
+    out["weights"] = {"whole": runs["whole_weights"]}
+    updates: dict[str, dict[str, Any]] = {
+        "chunked": {"logprob_chunk_tokens": 7, "activation_checkpointing": True},
+        "bf16": {"logprob_chunk_tokens": 7, "precision": "bf16"},
+    }
+    for name, update in updates.items():
+        group = TrainerGroup(_config2(**update), str(tiny_dir), total_steps=TOTAL, seed=0)
+        try:
+            out["metrics"][name] = group.train(_plan(0, vocab, 2, LOSS_E))
+            location = group.publish(str(tmp / name), 1)
+            out["weights"][name] = load_file_of(location)
+            if name == "bf16":
+                out["bf16_location"] = location
+                group.load_weights(location, 1)  # bf16 back into the float32 weights
+                out["bf16_again"] = _weights(group, tmp / "again", 1)
+        finally:
+            group.shutdown()
+    return out
+
+
+def load_file_of(location: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(location) / WEIGHTS_FILE))
+
+
+@pytest.mark.timeout(600)
 def test_chunked_checkpointed_and_bf16_steps_match_the_plain_step(
-    ray_local: Any, tiny_dir: Path, tmp_path: Path
+    variants: dict[str, Any],
 ) -> None:
     """On two sharded ranks, one step (two optimizer updates) on the same batch: log-probs a
     few positions at a time, with activation checkpointing, train like whole-row log-probs; a
     bf16 step's loss is close to the float32 one's, and the weights stay float32."""
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(tiny_dir).vocab_size
-    # GRPO's advantages add up to 0 per group, so its policy term nearly cancels (-1.1e-4 here):
-    # an entropy bonus gives the loss a size (-0.06) that bf16 rounding is measured against.
-    loss = LOSS.model_copy(update={"entropy_coef": 0.01})
-    runs: dict[str, dict[str, Any]] = {
-        "whole": {"logprob_chunk_tokens": 0},
-        "chunked": {"logprob_chunk_tokens": 7, "activation_checkpointing": True},
-        "bf16": {"logprob_chunk_tokens": 7, "precision": "bf16"},
-    }
-    metrics: dict[str, dict[str, Any]] = {}
-    weights: dict[str, dict[str, torch.Tensor]] = {}
-    for name, update in runs.items():
-        config = _config(2).model_copy(update={"loss": loss, **update})
-        group = TrainerGroup(config, str(tiny_dir), total_steps=1, seed=0)
-        try:
-            metrics[name] = group.train(_plan(0, vocab, 2, loss))
-            weights[name] = _weights(group, tmp_path / name, 1)
-        finally:
-            group.shutdown()
+    metrics, weights = variants["metrics"], variants["weights"]
     whole, chunked, bf16 = metrics["whole"], metrics["chunked"], metrics["bf16"]
     assert chunked["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-6)
     assert chunked["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
@@ -267,7 +295,7 @@ def test_chunked_checkpointed_and_bf16_steps_match_the_plain_step(
 
 @pytest.mark.timeout(600)
 def test_a_bf16_trainer_publishes_bf16_that_engines_load(
-    ray_local: Any, tiny_dir: Path, tmp_path: Path
+    variants: dict[str, Any], tiny_dir: Path
 ) -> None:
     """``precision: bf16`` publishes bf16 tensors (half the float32 bytes); the hf engine loads
     them into float32 and into bf16 exactly, and a trainer loads them back."""
@@ -277,16 +305,7 @@ def test_a_bf16_trainer_publishes_bf16_that_engines_load(
     from rollcall.workers.rollout.engines.hf import HFEngine
     from rollcall.workers.weights import read_metadata
 
-    vocab = _vocab(tiny_dir)
-    config = _config(1).model_copy(update={"precision": "bf16", "mini_batches": 1})
-    group = TrainerGroup(config, str(tiny_dir), total_steps=2, seed=0)
-    try:
-        group.train(_plan(0, vocab, 1, LOSS))
-        location = group.publish(str(tmp_path / "w"), 1)
-        group.load_weights(location, 1)  # bf16 back into the float32 weights
-        again = load_file(str(Path(group.publish(str(tmp_path / "again"), 1)) / WEIGHTS_FILE))
-    finally:
-        group.shutdown()
+    location, again = variants["bf16_location"], variants["bf16_again"]
     published = load_file(str(Path(location) / WEIGHTS_FILE))
     assert {t.dtype for t in published.values()} == {torch.bfloat16}
     assert read_metadata(location)["dtype"] == "bfloat16"
