@@ -46,14 +46,14 @@ def test_two_evaluations_of_one_checkpoint_agree(tiny_dir: Path) -> None:
 
     tasks = [EvalTask("calculator", "calculator", {}), EvalTask("guess", "guess", {})]
     first = Evaluator(str(tiny_dir), seed=3, concurrency=8)
-    a = first.evaluate(tasks, 12)
-    b = first.evaluate(list(reversed(tasks)), 12)  # other order: other batches
+    a = first.evaluate(tasks, 8)
+    b = first.evaluate(list(reversed(tasks)), 8)  # other order: other batches
     first.close()
     second = Evaluator(str(tiny_dir), seed=3, concurrency=3)  # other batch sizes
-    c = second.evaluate(tasks, 12)
+    c = second.evaluate(tasks, 8)
     second.close()
     assert a == b == c
-    assert all(len(rs) == 12 for rs in a.values())
+    assert all(len(rs) == 8 for rs in a.values())
 
 
 def test_intervals_and_paired_gains() -> None:
@@ -95,7 +95,7 @@ def test_the_final_summary_fits_80_columns() -> None:
 
 
 def test_evaluation_reuses_its_tool_processes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One tool process per concurrent episode, not one per episode: 24 episodes at
+    """One tool process per concurrent episode, not one per episode: 12 episodes at
     concurrency 3 start at most 3. The shipped (warm-started) model, which calls the tool."""
     from rollcall.workers.episode import tools
     from rollcall.workers.evaluation import EvalTask, Evaluator
@@ -112,8 +112,8 @@ def test_evaluation_reuses_its_tool_processes(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(tools.ToolRunner, "_ensure", counting)
     evaluator = Evaluator(str(SHIPPED), seed=3, concurrency=3)
     try:
-        rewards = evaluator.evaluate([EvalTask("calculator", "calculator", {})], 24)
+        rewards = evaluator.evaluate([EvalTask("calculator", "calculator", {})], 12)
     finally:
         evaluator.close()
-    assert len(rewards["calculator"]) == 24
+    assert len(rewards["calculator"]) == 12
     assert 1 <= len(started) <= 3
