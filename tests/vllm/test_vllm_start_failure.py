@@ -5,7 +5,13 @@ it: a KV cache of 1,024 GiB (``cpu_kv_cache_gib``, valid config) is more than th
 memory, which the CPU worker checks after loading the model (vLLM's ``determine_available_memory``:
 "Available memory on node 0 (...) on kv cache allocation is less than requested memory for kv
 (1024.0 GiB)"), the same check a restart meets when the killed node's EngineCore still holds
-its memory (docs/fault-tolerance.md). About 35 s each on two cores."""
+its memory (docs/fault-tolerance.md). About 35 s each on two cores.
+
+The node's case (a Ray actor under the supervisor) runs on every push and asserts what the
+engine's own case does of the exception's last line (the root cause first, then vLLM's
+"Engine core initialization failed"), through the event's evidence (its last line) and reason
+(that line, cut at 300 characters); the engine started in this process (its exception's
+``cause`` and ``output``, read from this process's own stdout and stderr) is in the long tier."""
 
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ def _too_big() -> VLLMEngineConfig:
     return VLLMEngineConfig(device="cpu", dtype="float32", cpu_kv_cache_gib=1024)
 
 
+@pytest.mark.long
 def test_an_engine_core_that_fails_to_start_raises_its_root_cause(
     vllm_tiny_dir: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -94,7 +101,15 @@ def test_a_node_whose_engine_fails_to_start_leaves_its_cause_in_the_event(
     # countable, with a cause: the reason names the root cause, the evidence shows it
     assert ROOT_CAUSE in started["reason"] and ROOT_CAUSE in ended["reason"], events
     assert started["reason"].startswith("failed to start: constructor raised ValueError")
+    # the exception's last line, the evidence's last, names the root cause first, then what
+    # vLLM's frontend said; the reason (what the supervisor's restart line takes) is that line,
+    # cut at 300 characters
+    last = started["evidence"][-1].strip()
+    assert last.startswith("ValueError: Available memory on node"), started
+    assert ROOT_CAUSE in last and "Engine core initialization failed" in last, started
+    assert started["reason"] == f"failed to start: constructor raised {last[:300]}", started
     evidence = started["evidence"]
     assert 0 < len(evidence) <= 40 and any(ROOT_CAUSE in line for line in evidence), evidence
+    assert sum(len(line) + 1 for line in evidence) <= 4096, evidence
     # the supervisor's line in driver.log names it
     assert any(ROOT_CAUSE in line for line in lines if "FAILED" in line), lines
