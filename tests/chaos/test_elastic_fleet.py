@@ -1,10 +1,10 @@
 """Machines come and go under a running job, on a real multi-node Ray cluster on this machine
 (``ray.cluster_utils.Cluster``): the fleet is scaled up, a machine is drained, three machines
-are lost with a spare each time (two SIGKILLed, one frozen as a machine that loses power
-answers nothing), every rollout machine is gone for a while, a machine joins, and the fleet
-is scaled down. The job never
-stops, no loss costs a restart of the budget (``rollout.max_restarts: 1`` would fail a slot
-that two counted deaths hit), and nothing checkpointed is lost or trained twice.
+are lost with a spare each time (one by ``rollcall drill kill-node``, one SIGKILLed, one
+frozen as a machine that loses power answers nothing), every rollout machine is gone for a
+while, a machine joins, and the fleet is scaled down. The job never stops, no loss costs a
+restart of the budget (``rollout.max_restarts: 1`` would fail a slot that two counted deaths
+hit), and nothing checkpointed is lost or trained twice.
 
 The job is the torch-free timing model (``ops/bench/pipeline.py``): what is tested here is
 the supervisor, Ray's placement and the buffer, not the engine; its starts take a second."""
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import signal
 import threading
@@ -30,6 +31,7 @@ from rollcall.orchestrator.buffer.invariants import check_invariants
 from rollcall.orchestrator.config import RollcallConfig
 from rollcall.orchestrator.db.engine import Database
 from rollcall.orchestrator.runner.driver import JobDriver
+from rollcall.orchestrator.services.drills import DrillReport, Drills
 from rollcall.orchestrator.services.jobs import scale
 from rollcall.orchestrator.services.nodeloss import ray_node_processes
 from rollcall.orchestrator.services.nodes import drain
@@ -107,6 +109,7 @@ def test_machines_come_and_go_under_a_running_job(
         wait_for(f"a step after {at}", lambda: scalar(engine, STEPS) > at, 120)
 
     frozen: list[tuple[int, int]] = []
+    drilled: list[DrillReport] = []
     held: list[dict[str, Any]] = []  # samples the nodes held at each fault
     t = threading.Thread(target=run, daemon=True)
     try:
@@ -140,12 +143,20 @@ def test_machines_come_and_go_under_a_running_job(
         assert drained and all(r["episodes_abandoned"] == 0 for r in drained), drained
         steps_go_on()
 
-        # three machine losses, each with a spare that joined before it; none is counted
-        def lose(victim: str, spare: str, slot: str, *, freeze: bool = False) -> None:
+        # three machine losses, each with a spare that joined before it; none is counted.
+        # The first is `rollcall drill kill-node` (tests/chaos/test_node_loss.py, the long
+        # tier, drills it on the tiny model's hf nodes): its report is asserted below
+        def lose(
+            victim: str, spare: str, slot: str, *, freeze: bool = False, drill: bool = False
+        ) -> None:
             machine[spare] = cluster.add_node(num_cpus=1, resources={"rollout": 1})
             wait_for(f"{spare} registered", lambda: _alive(machine[spare]), 60)
             held.extend(_held(db, engine, [slot]))
-            for pid, _ in ray_node_processes(machine[victim].node_id):
+            if drill:  # the drill kills every process of the machine, and waits out recovery
+                drilled.append(
+                    Drills(db, "elastic", timeout_s=180).kill_node(machine[victim].node_id)
+                )
+            for pid, _ in ray_node_processes(machine[victim].node_id) if not drill else ():
                 # frozen: a machine that loses power or its network answers nothing, and only
                 # Ray's health checks find it dead. A process listed may be gone already (a
                 # tool call's processes live for milliseconds).
@@ -154,7 +165,7 @@ def test_machines_come_and_go_under_a_running_job(
                     frozen.extend([ident] if freeze and ident is not None else [])
             wait_for(f"{slot} serving on {spare}", lambda: serving(slot, machine[spare]), 120)
 
-        lose("B", "D", "rollout-1")  # SIGKILLed
+        lose("B", "D", "rollout-1", drill=True)
         lose("C", "E", "rollout-0", freeze=True)
         lose("D", "F", "rollout-1")  # SIGKILLed
         steps_go_on()
@@ -209,6 +220,17 @@ def test_machines_come_and_go_under_a_running_job(
     assert sum(lost for _, _, lost, _ in budget) == 5, f"{budget}\n{timeline}"
     kinds = [k for (k,) in rows(engine, "SELECT kind FROM events")]
     assert "worker.restarting" not in kinds and "worker.failed" not in kinds, timeline
+    # the kill-node drill on B: every process of the machine (the raylet and everything under
+    # it) SIGKILLed, its slot declared dead and serving again on the spare, nothing lost or
+    # trained twice, the trainer on the head undisturbed
+    (drill,) = drilled
+    print(json.dumps(drill.to_json()))  # the figures, with -s
+    assert drill.passed, f"{drill.to_json()}\n{timeline}"
+    assert "1 raylet" in drill.notes[0] and "agent" in drill.notes[0], drill.notes
+    assert drill.lost == 0 and drill.duplicated == 0, drill.to_json()
+    assert drill.detection_s is not None and drill.recovery_s is not None, drill.to_json()
+    assert "rollout-1" in drill.target, drill.target
+    assert "trainer.restarted" not in kinds, timeline
     assert "worker.drained" in kinds and "worker.removed" in kinds, timeline
     # the operator saw it: the waits, the placements, the losses
     text = out.getvalue()

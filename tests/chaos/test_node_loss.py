@@ -1,6 +1,10 @@
 """Losing a whole Ray node: a two-node cluster on one machine (``ray.cluster_utils.Cluster``)
 whose second node hosts the rollout nodes; the node is killed mid-run by the kill-node drill,
-the supervisor restarts the rollout nodes on a spare node, and nothing is lost."""
+the supervisor restarts the rollout nodes on a spare node, and nothing is lost.
+
+The long tier (``pytest -m long``): every push drills kill-node in the job of
+tests/chaos/test_elastic_fleet.py (the timing-model engine; here the tiny model's hf nodes,
+two of them on the lost node)."""
 
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from tests.support.waiting import wait_for
 # not recur in 39 runs; trainer calls time out now and supervision has its own thread anyway.
 # Since: 20 passes in 20 runs on a loaded 2-core machine, 47-78 s each (detection 1.4-2.5 s,
 # recovery 8-13 s).
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.long]
 
 STEPS = "SELECT count(*) FROM train_steps"
 
