@@ -24,7 +24,10 @@ from tests.integration.buffer_helpers import rows, scalar
 from tests.support.waiting import wait_for
 
 SUPPORT = "tests.support.weights"
-STEPS = 8  # enough for the lost node to be restarted and rejoin before the end
+# enough for the lost node to be restarted and rejoin before the end: it is lost at version 1
+# (a stopped one maybe again at 2, before it is found hung), and each publication waits for
+# both nodes to be members (``both_members``): the versions after the losses reach both
+STEPS = 5
 
 
 def config(tmp: Path, model: Path, steps: int, **rollout: Any) -> RollcallConfig:
