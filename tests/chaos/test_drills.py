@@ -395,7 +395,13 @@ def test_database_outage_declares_nobody_dead(job: Job) -> None:
     assert "worker.dead" not in during and "worker.restarting" not in during, during
     assert "job.driver_relocked" in during, during
     assert "job.driver_fenced" not in _kinds(job.engine)
-    assert during.count("database.outage") == 1, during  # the driver's, once it was back
+    # the driver's, once it was back (the events' messages name each outage's span)
+    assert during.count("database.outage") == 1, rows(
+        job.engine,
+        "SELECT kind, message FROM events WHERE id > :a AND id <= :b ORDER BY id",
+        a=o["after"],
+        b=o["upto"],
+    )
     log = job.driver.run_dir.log_path.read_text()
     assert "database unavailable" in log[o["log_at"] :]  # its retries
 
