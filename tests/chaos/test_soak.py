@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -49,11 +50,13 @@ def test_fault_kinds_once_each_lose_nothing_and_leave_nothing(reported: set[str]
     without = [k for r, k in EVERY.items() if r not in reported]
     home = short_tmpdir("soak")
     current = Path("/tmp/ray/ray_current_cluster")
-    before = current.read_text() if current.exists() else None
+    with socket.socket() as s:  # the soak's Ray head's port, to know its address
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     try:
         done = subprocess.run(
             [sys.executable, str(ROOT / "ops" / "soak.py"), "--hours", "1", "--each-once",
-             "--engine", "hf", "--home", str(home),
+             "--engine", "hf", "--home", str(home), "--port", str(port),
              "--pause-s", "1", "--sample-s", "10", "--timeout", "240",
              *(["--without", *without] if without else [])],
             capture_output=True, text=True, timeout=1400,
@@ -72,8 +75,10 @@ def test_fault_kinds_once_each_lose_nothing_and_leave_nothing(reported: set[str]
         assert (home / "soak.png").stat().st_size > 10_000
         assert "driver.pss_mb" in report["slopes"], sorted(report["slopes"])
         # the soak's Ray is not the machine's: a later ray.init() here starts its own (CI met
-        # a driver's setup that tried to join the soak's cluster, gone, through this file)
-        after = current.read_text() if current.exists() else None
-        assert after == before, "the soak's cluster was left as this machine's current Ray"
+        # a driver's setup that tried to join the soak's cluster, gone, through this file).
+        # The file is compared with the soak's address, not with what it held before: the
+        # other test workers' Rays write it meanwhile (CI saw one of theirs there)
+        after = current.read_text().strip() if current.exists() else None
+        assert after != f"127.0.0.1:{port}", "the soak's cluster was left as this machine's Ray"
     finally:
         shutil.rmtree(home, ignore_errors=True)
