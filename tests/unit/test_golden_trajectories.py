@@ -23,10 +23,12 @@ with the next one).
 The test replays the same episodes and requires everything discrete (tokens, masks, turns,
 versions, states, rewards, stop reasons, text, checkpoints; not the agent runtime's own record
 of calls, ``BOOKKEEPING``) to equal the golden files exactly,
-and the behaviour log-probs to within 1e-5 absolute: CI runs on another x86 CPU of the same
+and the behaviour log-probs to within 1e-4 absolute: CI runs on another x86 CPU of the same
 class, where float results need not be bit-identical (episodes run on one thread, so the
 thread count does not change how sums are split, but the kernels a CPU picks may). A
 difference large enough to flip a sampled token shows as a token mismatch, not a tolerance.
+(1e-5 was too tight: on 2026-12-07 a machine of CI's kind gave one of agent_lookup's 600-odd
+log-probs 1.03e-5 from its golden value, on the commit that recorded it.)
 
 Re-record (after a deliberate change of the runtime, the plugins or the shipped model; review
 the diff of ``tests/golden/``)::
@@ -63,7 +65,7 @@ from rollcall.workers.tiny_model import SHIPPED, deterministic_build, file_diges
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden"
-LOGPROB_ATOL = 1e-5
+LOGPROB_ATOL = 1e-4
 VERSION = 3  # the engine's policy version: every turn must carry it
 FORMAT = 1  # the golden files' layout
 LIMITS = Limits(max_turns=4, max_tokens_per_turn=32, max_tokens=512)
@@ -376,7 +378,7 @@ def test_a_changed_token_mask_bit_or_reward_is_reported() -> None:
         lambda p, e: p["token_ids"].__setitem__(-1, p["token_ids"][-1] + 1),
         lambda p, e: p["loss_mask"].__setitem__(-1, 1 - p["loss_mask"][-1]),
         lambda p, e: e.__setitem__("reward", e["reward"] + 0.5),
-        lambda p, e: p["behaviour_logprobs"].__setitem__(-1, p["behaviour_logprobs"][-1] - 1e-4),
+        lambda p, e: p["behaviour_logprobs"].__setitem__(-1, p["behaviour_logprobs"][-1] - 1e-3),
         lambda p, e: p["env_state"].__setitem__("stop_reason", "other"),
     ):
         changed = json.loads(json.dumps(doc))
