@@ -24,6 +24,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
+from ops import test_durations
 from ops.test_durations import ROOT, TABLE
 
 # The suite runs three workers on two cores (pyproject: -n 3), each with its Ray actors and
@@ -67,6 +68,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rel = {i: p.as_posix() for i, p in files.items()}
     slow_files = {rel[i] for i in items if i.get_closest_marker("slow")}
     items.sort(key=lambda i: -known.get(rel[i], 30.0 if rel[i] in slow_files else 0.0))
+
+
+# Each test phase's seconds, by file, as the run's reports arrive (on the controller too, under
+# xdist); with ROLLCALL_TEST_DURATIONS_OUT set (.ci/run sets it to tests/durations.json), the
+# table of this run is written there when the whole suite ran (not a part of it, nor a failed
+# collection): the order the next run takes the files in.
+_phases: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _phases.append((report.nodeid.split("::")[0], report.duration))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    out = os.environ.get("ROLLCALL_TEST_DURATIONS_OUT")
+    controller = not hasattr(session.config, "workerinput")
+    opts = session.config.option
+    whole = session.config.args in ([], ["tests"]) and not opts.keyword and not opts.lf
+    whole = whole and opts.markexpr == "not long"
+    if out and controller and whole and _phases and exitstatus in (0, 1):
+        test_durations.write(test_durations.table(_phases), Path(out))
 
 
 @dataclass
