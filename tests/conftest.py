@@ -255,6 +255,32 @@ def make_cli_runner(capsys: pytest.CaptureFixture[str]) -> Any:
     return run
 
 
+def run_cli(url: str, *args: str) -> CliResult:
+    """``rollcall ARGS`` in-process against ``url``, its output captured here (for a module-
+    scoped job, where the ``cli`` fixture and its ``capsys`` are not at hand). A crash in the
+    command is exit code -1 with its traceback in ``err``: the tests that read it fail with it."""
+    import io
+    import traceback
+
+    from rollcall.orchestrator.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ROLLCALL_DATABASE_URL", url)
+        mp.delenv("ROLLCALL_JOB", raising=False)
+        mp.setenv("COLUMNS", "200")
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(list(args))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:
+                traceback.print_exc()
+                code = -1
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
 def snapshot(url: str) -> dict[str, Any]:
     """Everything operator commands could write: rows of every table, and the partitions."""
     eng = sa.create_engine(url, poolclass=sa.pool.NullPool)

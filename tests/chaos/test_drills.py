@@ -10,7 +10,7 @@ long tier's (``-m long``)."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import io
 import json
 import os
@@ -32,6 +32,7 @@ from rollcall.orchestrator.db.engine import Database
 from rollcall.orchestrator.runner.driver import JobDriver
 from rollcall.orchestrator.services.drills import Drills
 from tests.chaos.test_faults import _assert_nothing_lost, _config, _driver
+from tests.conftest import CliResult, run_cli
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support.waiting import wait_for
 
@@ -41,34 +42,6 @@ pytestmark = pytest.mark.timeout(900)
 HEARTBEAT_BOUND_S = 0.5 + 5.0 + 0.5 + 2.0  # interval + timeout + sweep, plus scheduling slack
 CHAOS_FAULTS = 6
 CHAOS_SEED = 35  # its six faults: hang, restart-db, kill-trainer, db-outage, kill, overload
-
-
-@dataclass
-class Cli:
-    code: int
-    out: str
-    err: str
-
-
-def _cli_runner(url: str) -> Callable[..., Cli]:
-    """``rollcall ARGS`` in-process against ``url`` (the ``cli`` fixture's, for a module)."""
-    from rollcall.orchestrator.cli import main
-
-    def run(*args: str) -> Cli:
-        out, err = io.StringIO(), io.StringIO()
-        code = 0
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("ROLLCALL_DATABASE_URL", url)
-            mp.delenv("ROLLCALL_JOB", raising=False)
-            mp.setenv("COLUMNS", "200")
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                try:
-                    main(list(args))
-                except SystemExit as e:
-                    code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        return Cli(code, out.getvalue(), err.getvalue())
-
-    return run
 
 
 def _driver_state(engine: sa.Engine) -> dict[str, Any]:
@@ -116,7 +89,7 @@ class Job:
 
     db: Database
     engine: sa.Engine
-    cli: Callable[..., Cli]
+    cli: Callable[..., CliResult]
     driver: JobDriver
     cfg: RollcallConfig
     seen: dict[str, Any]
@@ -159,7 +132,7 @@ def job(
     driver = JobDriver(
         cfg, db, model_dir=tiny_dir, home=tmp, console=Console(file=io.StringIO()), live=False
     )
-    job = Job(db, engine, _cli_runner(url), driver, cfg, {}, {})
+    job = Job(db, engine, functools.partial(run_cli, url), driver, cfg, {}, {})
     hold, in_step, go = threading.Event(), threading.Event(), threading.Event()
 
     def hold_step(d: JobDriver) -> None:  # a step in progress: trained, not yet committed

@@ -18,12 +18,10 @@ Two jobs (module-scoped), each in a database of its own:
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
 import os
 import re
-import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +33,7 @@ import yaml
 
 from rollcall.orchestrator.buffer.invariants import check_invariants
 from rollcall.orchestrator.db.engine import Database, open_database
-from tests.conftest import TEMPLATE_DB, CliResult, PgServer
+from tests.conftest import TEMPLATE_DB, CliResult, PgServer, run_cli
 from tests.integration.buffer_helpers import rows, scalar
 
 pytestmark = pytest.mark.timeout(600)
@@ -172,26 +170,7 @@ def job_database(pg: PgServer, name: str) -> Iterator[tuple[str, Database, sa.En
         pg.drop_database(dbname)
 
 
-def rollcall(url: str, *args: str) -> CliResult:
-    """``rollcall ARGS`` in-process against ``url`` (the ``cli`` fixture's, for a module-scoped
-    job: its output captured here rather than by ``capsys``)."""
-    from rollcall.orchestrator.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ROLLCALL_DATABASE_URL", url)
-        mp.delenv("ROLLCALL_JOB", raising=False)
-        mp.setenv("COLUMNS", "200")
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main(list(args))
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except Exception:  # the tests that read the run fail with it, not the fixture
-                traceback.print_exc()
-                code = -1
-    return CliResult(code, out.getvalue(), err.getvalue())
+rollcall = run_cli  # ``rollcall ARGS`` in-process against a module-scoped job's database
 
 
 # -- job ``usercode``: four tasks failing on some inputs; the job finishes, then resumes --------
