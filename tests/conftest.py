@@ -177,6 +177,25 @@ def db(db_url: str) -> Iterator[Any]:
     database.dispose()
 
 
+@contextlib.contextmanager
+def job_database(pg: PgServer, name: str) -> Iterator[tuple[str, Any, sa.Engine]]:
+    """A fresh database migrated to head (a copy of the template, which ``template_url`` makes)
+    for a module-scoped job: its URL, its ``Database`` and an engine, dropped afterwards (the
+    ``db_url``, ``db`` and ``engine`` fixtures', for a module)."""
+    from rollcall.orchestrator.db.engine import open_database
+
+    dbname = f"t_{name}_{os.getpid()}"
+    url = pg.create_database(dbname, template=TEMPLATE_DB)
+    db = open_database(url)
+    eng = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        yield url, db, eng
+    finally:
+        eng.dispose()
+        db.dispose()
+        pg.drop_database(dbname)
+
+
 @pytest.fixture
 def engine(db_url: str) -> Iterator[sa.Engine]:
     eng = sa.create_engine(db_url, poolclass=sa.pool.NullPool)

@@ -32,7 +32,7 @@ from rollcall.orchestrator.db.engine import Database
 from rollcall.orchestrator.runner.driver import JobDriver
 from rollcall.orchestrator.services.drills import Drills
 from tests.chaos.test_faults import _assert_nothing_lost, _config, _driver
-from tests.conftest import CliResult, run_cli
+from tests.conftest import CliResult, job_database, run_cli
 from tests.integration.buffer_helpers import rows, scalar
 from tests.support.waiting import wait_for
 
@@ -116,199 +116,194 @@ def job(
 ) -> Iterator[Job]:
     from ops.chaos import run_chaos
     from rollcall.orchestrator.db.embedded import EmbeddedPostgres
-    from rollcall.orchestrator.db.engine import open_database
 
-    name = f"t_chaos_job_{os.getpid()}"
-    url = pg.create_database(name, template=sa.engine.make_url(template_url).database)
-    db = open_database(url)
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    tmp = tmp_path_factory.mktemp("chaos-job")
-    raw = _config(tmp, tiny_dir, steps=1000).model_dump()  # a ceiling: `job stop` ends it
-    # calc's bound is the widest: a resumed episode whose checkpointed turns fell out of a
-    # bound of 2 during a recovery is expired (its prompt queued again), never finished, and
-    # the killed node's episode must finish; guess keeps a bound of 2 for the invariants
-    raw["tasks"][0]["max_staleness"] = 1000
-    cfg = RollcallConfig.model_validate(raw)
-    driver = JobDriver(
-        cfg, db, model_dir=tiny_dir, home=tmp, console=Console(file=io.StringIO()), live=False
-    )
-    job = Job(db, engine, functools.partial(run_cli, url), driver, cfg, {}, {})
-    hold, in_step, go = threading.Event(), threading.Event(), threading.Event()
-
-    def hold_step(d: JobDriver) -> None:  # a step in progress: trained, not yet committed
-        if hold.is_set() and not in_step.is_set():
-            job.seen["held_step"] = d.step
-            in_step.set()
-            go.wait(300)
-
-    driver.fault_hooks["after_train"] = hold_step
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            job.result = driver.run()
-        except BaseException as e:
-            job.error = e
-        finally:
-            done.set()
-
-    server = EmbeddedPostgres(pg.home)
-    log = Path()  # driver.log, once set up (the closures read it then)
-
-    def restart() -> None:
-        server.stop()
-        server.ensure_running()
-
-    def outage() -> None:  # longer than the heartbeat timeout, within the retries
-        o = job.seen["outage"] = {
-            "after": _last_event(engine),
-            "log_at": log.stat().st_size if log.exists() else 0,
-        }
-        t0 = time.monotonic()
-        server.stop()
-        time.sleep(cfg.control_plane.heartbeat_timeout_s + 1.5)
-        server.ensure_running()
-        o["s"] = time.monotonic() - t0
-
-    lines: list[str] = []
-
-    def say(line: str) -> None:
-        print(line)  # each fault's line, in the report of a failure
-        lines.append(line)
-        if "db-outage" in line and "outage" in job.seen:  # recovered: the outage's window ends
-            job.seen["outage"]["upto"] = _last_event(engine)
-
-    def show() -> dict[str, Any]:
-        return json.loads(job.cli("job", "show", "chaos", "--json").out)
-
-    def kill_mid_trajectory() -> dict[str, Any]:
-        wid, pid, name = wait_for("a node mid-trajectory", lambda: _node_with_checkpoint(engine))
-        t0 = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        wait_for(
-            "the killed node declared dead",
-            lambda: rows(engine, "SELECT 1 FROM workers WHERE id = :w AND status = 'dead'", w=wid),
+    with job_database(pg, "chaos_job") as (url, db, engine):
+        tmp = tmp_path_factory.mktemp("chaos-job")
+        raw = _config(tmp, tiny_dir, steps=1000).model_dump()  # a ceiling: `job stop` ends it
+        # calc's bound is the widest: a resumed episode whose checkpointed turns fell out of a
+        # bound of 2 during a recovery is expired (its prompt queued again), never finished, and
+        # the killed node's episode must finish; guess keeps a bound of 2 for the invariants
+        raw["tasks"][0]["max_staleness"] = 1000
+        cfg = RollcallConfig.model_validate(raw)
+        driver = JobDriver(
+            cfg, db, model_dir=tiny_dir, home=tmp, console=Console(file=io.StringIO()), live=False
         )
-        detect = time.monotonic() - t0
-        wait_for(
-            "its replacement",
-            lambda: rows(
-                engine,
-                "SELECT 1 FROM workers WHERE name = :n AND id > :w AND status = 'alive'",
-                n=name,
-                w=wid,
-            ),
-        )
-        return {"detect_s": detect, "recover_s": time.monotonic() - t0}
+        job = Job(db, engine, functools.partial(run_cli, url), driver, cfg, {}, {})
+        hold, in_step, go = threading.Event(), threading.Event(), threading.Event()
 
-    def cli_kill() -> dict[str, Any]:
-        # through the CLI: SIGKILL the busiest rollout node
-        r = job.cli("drill", "kill-rollout", "--job", "chaos", "--json", "--yes")
-        assert r.code == 0, r.out + r.err
-        # (Ray's own log lines may share stdout; the report starts at a line's "{")
-        at = 0 if r.out.startswith("{") else r.out.index("\n{") + 1
-        report, _ = json.JSONDecoder().raw_decode(r.out[at:])
-        # Ray's paragraph about the killed actor goes to driver.log, not the terminal
-        wait_for(
-            "Ray's message about the killed node in driver.log",
-            lambda: log.exists() and "A worker died or was killed" in log.read_text(),
-            timeout_s=60,
-        )
-        return {"report": report, "out": r.out}
+        def hold_step(d: JobDriver) -> None:  # a step in progress: trained, not yet committed
+            if hold.is_set() and not in_step.is_set():
+                job.seen["held_step"] = d.step
+                in_step.set()
+                go.wait(300)
 
-    def chaos() -> dict[str, Any]:
-        totals = run_chaos(
-            Drills(db, "chaos", timeout_s=90),
-            CHAOS_FAULTS,
-            seed=CHAOS_SEED,
-            restart_db=restart,
-            outage=outage,
-            overload_s=10.0,  # twice the heartbeat timeout
-            say=say,
-        )
-        return {"totals": totals, "lines": lines}
+        driver.fault_hooks["after_train"] = hold_step
+        done = threading.Event()
 
-    def requeued_done() -> dict[str, Any]:
-        wait_for(
-            "a requeued episode finished",
-            lambda: scalar(engine, REQUEUED_AND_DONE),
-            detail=lambda: rows(
-                engine,
-                "SELECT e.status, e.attempts, count(*), min(e.min_policy_version), "
-                "max(j.policy_version) FROM episodes e JOIN jobs j ON j.id = e.job_id "
-                "WHERE e.attempts >= 2 OR e.status = 'expired' GROUP BY 1, 2 ORDER BY 1, 2",
-            ),
-        )
-        return {}
-
-    def second_driver_and_stop() -> dict[str, Any]:
-        from rollcall.orchestrator.errors import ConflictError
-
-        seen: dict[str, Any] = {"after": _last_event(engine)}
-        try:
-            hold.set()
-            wait_for("a step in progress", in_step.is_set, timeout_s=300)
-            seen["status_held"] = show()["status"]
-            seen["alive"] = [
-                r[0] for r in rows(engine, "SELECT id FROM workers WHERE status = 'alive'")
-            ]
-            before = _driver_state(engine)
-            second = JobDriver(  # `rollcall run CONFIG --resume`, a second time
-                cfg,
-                db,
-                model_dir=tiny_dir,
-                home=tmp,
-                resume=True,
-                console=Console(file=io.StringIO()),
-                live=False,
-            )
+        def run() -> None:
             try:
-                with pytest.raises(ConflictError, match="already running under another driver"):
-                    second.setup()
-            finally:
-                second.close()
-            seen["unchanged"] = _driver_state(engine) == before  # the first driver's nodes live
-            seen["stop"] = job.cli("job", "stop", "chaos")
-            wait_for("the driver to see the stop", driver._stop_requested.is_set, timeout_s=60)
-            seen["status_stopping"] = show()["status"]
-        finally:
-            go.set()  # the step commits; then the loop sees the stop
-        return seen
-
-    phases: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-        ("kill_mid_trajectory", kill_mid_trajectory),
-        ("cli_kill", cli_kill),
-        ("chaos", chaos),
-        ("requeued_done", requeued_done),
-        ("stop", second_driver_and_stop),
-    ]
-    driver.setup()
-    log = driver.run_dir.log_path
-    threading.Thread(target=run, daemon=True).start()
-    try:
-        wait_for("a first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"))
-        for phase, inject in phases:
-            try:
-                job.seen[phase] = inject()
+                job.result = driver.run()
             except BaseException as e:
-                job.failed[phase] = e
-                break
-    finally:
-        if "stop" not in job.seen:
-            driver.request_stop()
-        go.set()
-        done.wait(timeout=240)
-        driver.close()
-    engine.dispose()
-    job.seen["final_status"] = show()["status"]
-    job.seen["kinds_at_end"] = _kinds(engine)
-    job.seen["stop_again"] = job.cli("job", "stop", "chaos")
-    try:
-        yield job
-    finally:
-        db.dispose()
+                job.error = e
+            finally:
+                done.set()
+
+        server = EmbeddedPostgres(pg.home)
+        log = Path()  # driver.log, once set up (the closures read it then)
+
+        def restart() -> None:
+            server.stop()
+            server.ensure_running()
+
+        def outage() -> None:  # longer than the heartbeat timeout, within the retries
+            o = job.seen["outage"] = {
+                "after": _last_event(engine),
+                "log_at": log.stat().st_size if log.exists() else 0,
+            }
+            t0 = time.monotonic()
+            server.stop()
+            time.sleep(cfg.control_plane.heartbeat_timeout_s + 1.5)
+            server.ensure_running()
+            o["s"] = time.monotonic() - t0
+
+        lines: list[str] = []
+
+        def say(line: str) -> None:
+            print(line)  # each fault's line, in the report of a failure
+            lines.append(line)
+            if "db-outage" in line and "outage" in job.seen:  # recovered: the outage's window ends
+                job.seen["outage"]["upto"] = _last_event(engine)
+
+        def show() -> dict[str, Any]:
+            return json.loads(job.cli("job", "show", "chaos", "--json").out)
+
+        def kill_mid_trajectory() -> dict[str, Any]:
+            wid, pid, name = wait_for(
+                "a node mid-trajectory", lambda: _node_with_checkpoint(engine)
+            )
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            wait_for(
+                "the killed node declared dead",
+                lambda: rows(
+                    engine, "SELECT 1 FROM workers WHERE id = :w AND status = 'dead'", w=wid
+                ),
+            )
+            detect = time.monotonic() - t0
+            wait_for(
+                "its replacement",
+                lambda: rows(
+                    engine,
+                    "SELECT 1 FROM workers WHERE name = :n AND id > :w AND status = 'alive'",
+                    n=name,
+                    w=wid,
+                ),
+            )
+            return {"detect_s": detect, "recover_s": time.monotonic() - t0}
+
+        def cli_kill() -> dict[str, Any]:
+            # through the CLI: SIGKILL the busiest rollout node
+            r = job.cli("drill", "kill-rollout", "--job", "chaos", "--json", "--yes")
+            assert r.code == 0, r.out + r.err
+            # (Ray's own log lines may share stdout; the report starts at a line's "{")
+            at = 0 if r.out.startswith("{") else r.out.index("\n{") + 1
+            report, _ = json.JSONDecoder().raw_decode(r.out[at:])
+            # Ray's paragraph about the killed actor goes to driver.log, not the terminal
+            wait_for(
+                "Ray's message about the killed node in driver.log",
+                lambda: log.exists() and "A worker died or was killed" in log.read_text(),
+                timeout_s=60,
+            )
+            return {"report": report, "out": r.out}
+
+        def chaos() -> dict[str, Any]:
+            totals = run_chaos(
+                Drills(db, "chaos", timeout_s=90),
+                CHAOS_FAULTS,
+                seed=CHAOS_SEED,
+                restart_db=restart,
+                outage=outage,
+                overload_s=10.0,  # twice the heartbeat timeout
+                say=say,
+            )
+            return {"totals": totals, "lines": lines}
+
+        def requeued_done() -> dict[str, Any]:
+            wait_for(
+                "a requeued episode finished",
+                lambda: scalar(engine, REQUEUED_AND_DONE),
+                detail=lambda: rows(
+                    engine,
+                    "SELECT e.status, e.attempts, count(*), min(e.min_policy_version), "
+                    "max(j.policy_version) FROM episodes e JOIN jobs j ON j.id = e.job_id "
+                    "WHERE e.attempts >= 2 OR e.status = 'expired' GROUP BY 1, 2 ORDER BY 1, 2",
+                ),
+            )
+            return {}
+
+        def second_driver_and_stop() -> dict[str, Any]:
+            from rollcall.orchestrator.errors import ConflictError
+
+            seen: dict[str, Any] = {"after": _last_event(engine)}
+            try:
+                hold.set()
+                wait_for("a step in progress", in_step.is_set, timeout_s=300)
+                seen["status_held"] = show()["status"]
+                seen["alive"] = [
+                    r[0] for r in rows(engine, "SELECT id FROM workers WHERE status = 'alive'")
+                ]
+                before = _driver_state(engine)
+                second = JobDriver(  # `rollcall run CONFIG --resume`, a second time
+                    cfg,
+                    db,
+                    model_dir=tiny_dir,
+                    home=tmp,
+                    resume=True,
+                    console=Console(file=io.StringIO()),
+                    live=False,
+                )
+                try:
+                    with pytest.raises(ConflictError, match="already running under another driver"):
+                        second.setup()
+                finally:
+                    second.close()
+                seen["unchanged"] = _driver_state(engine) == before  # the first driver's nodes live
+                seen["stop"] = job.cli("job", "stop", "chaos")
+                wait_for("the driver to see the stop", driver._stop_requested.is_set, timeout_s=60)
+                seen["status_stopping"] = show()["status"]
+            finally:
+                go.set()  # the step commits; then the loop sees the stop
+            return seen
+
+        phases: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+            ("kill_mid_trajectory", kill_mid_trajectory),
+            ("cli_kill", cli_kill),
+            ("chaos", chaos),
+            ("requeued_done", requeued_done),
+            ("stop", second_driver_and_stop),
+        ]
+        driver.setup()
+        log = driver.run_dir.log_path
+        threading.Thread(target=run, daemon=True).start()
+        try:
+            wait_for("a first step", lambda: scalar(engine, "SELECT count(*) FROM train_steps"))
+            for phase, inject in phases:
+                try:
+                    job.seen[phase] = inject()
+                except BaseException as e:
+                    job.failed[phase] = e
+                    break
+        finally:
+            if "stop" not in job.seen:
+                driver.request_stop()
+            go.set()
+            done.wait(timeout=240)
+            driver.close()
         engine.dispose()
-        pg.drop_database(name)
+        job.seen["final_status"] = show()["status"]
+        job.seen["kinds_at_end"] = _kinds(engine)
+        job.seen["stop_again"] = job.cli("job", "stop", "chaos")
+        yield job
 
 
 def _ended(job: Job) -> Any:

@@ -8,7 +8,6 @@ job runs them all: each example's config is loaded as ``rollcall run`` loads it,
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,8 +67,7 @@ def examples_job(
     ray_local: Any, tiny_dir: Path, pg: Any, template_url: str, tmp_path_factory: Any
 ) -> Iterator[ExamplesJob]:
     """One job with the four examples' tasks, each loaded from its example's config."""
-    from rollcall.orchestrator.db.engine import open_database
-    from tests.conftest import TEMPLATE_DB
+    from tests.conftest import job_database
 
     tmp = tmp_path_factory.mktemp("examples")
     configs = {name: _load(name, tiny_dir, tmp / "run") for name in NAMES}
@@ -81,11 +79,7 @@ def examples_job(
     cfg = base.model_copy(
         update={"job": base.job.model_copy(update={"name": "examples"}), "tasks": tasks}
     )
-    name = f"t_examples_{os.getpid()}"
-    url = pg.create_database(name, template=TEMPLATE_DB)
-    db = open_database(url)
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    try:
+    with job_database(pg, "examples") as (_, db, engine):
         driver = _driver(cfg, db, tiny_dir, tmp)
         try:
             driver.setup()
@@ -94,10 +88,6 @@ def examples_job(
             driver.close()
         job_id = scalar(engine, "SELECT id FROM jobs WHERE name = 'examples'")
         yield ExamplesJob(configs, result, db, engine, job_id, tmp / "run", driver.run_dir.log_path)
-    finally:
-        engine.dispose()
-        db.dispose()
-        pg.drop_database(name)
 
 
 @pytest.mark.timeout(900)  # sets the job up: a run of the four examples

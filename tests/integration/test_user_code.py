@@ -17,10 +17,8 @@ Two jobs (module-scoped), each in a database of its own:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,8 +30,8 @@ import sqlalchemy as sa
 import yaml
 
 from rollcall.orchestrator.buffer.invariants import check_invariants
-from rollcall.orchestrator.db.engine import Database, open_database
-from tests.conftest import TEMPLATE_DB, CliResult, PgServer, run_cli
+from rollcall.orchestrator.db.engine import Database
+from tests.conftest import CliResult, PgServer, job_database, run_cli
 from tests.integration.buffer_helpers import rows, scalar
 
 pytestmark = pytest.mark.timeout(600)
@@ -152,22 +150,6 @@ def by_task(engine: sa.Engine, sql: str) -> dict[str, list[Any]]:
 def invariants(db: Database, engine: sa.Engine, job: str) -> tuple[bool, str]:
     report = check_invariants(db, scalar(engine, "SELECT id FROM jobs WHERE name = :n", n=job))
     return report.ok, report.summary()
-
-
-@contextlib.contextmanager
-def job_database(pg: PgServer, name: str) -> Iterator[tuple[str, Database, sa.Engine]]:
-    """A fresh database migrated to head, for one module's job (the ``db_url`` fixture's,
-    module-scoped)."""
-    dbname = f"t_{name}_{os.getpid()}"
-    url = pg.create_database(dbname, template=TEMPLATE_DB)
-    db = open_database(url)
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    try:
-        yield url, db, engine
-    finally:
-        engine.dispose()
-        db.dispose()
-        pg.drop_database(dbname)
 
 
 rollcall = run_cli  # ``rollcall ARGS`` in-process against a module-scoped job's database
