@@ -78,7 +78,7 @@ def test_slow_engine_under_cpu_overload_keeps_beating_and_a_hung_one_is_found(
     flags = tmp_path / "flags"
     flags.mkdir()
     driver = _driver(_slow_engine_config(tmp_path, tiny_dir), db, tiny_dir, tmp_path)
-    driver.engine_hooks[0] = f"{HOOKS}:slow_logged:{flags}"
+    driver.engine_hooks[0] = f"{HOOKS}:slow:{flags}"
     slow_phase: dict[str, Any] = {}
 
     def fault() -> None:

@@ -20,7 +20,6 @@ from rollcall.workers.episode.engine import (
 )
 
 SLOW_GENERATE_S = 12.0  # longer than the heartbeat timeout (10 s), within progress (30 s)
-SLOW_START_S = 75.0  # longer than the start test's start_timeout_s (60 s)
 
 
 class _Wrapped:
@@ -52,20 +51,29 @@ class _Wrapped:
 class SlowEngine(_Wrapped):
     """Every generate call takes ``SLOW_GENERATE_S`` longer, holding the engine (a load waits
     for it); while the flag file ``hang`` exists in ``flags``, a call does not return (a hung
-    engine); once ``fast`` exists, calls are no longer slowed (a test ends sooner)."""
+    engine); once ``fast`` exists, calls are no longer slowed (a test ends sooner). Each slowed
+    call's start and end (``time.time()``, one line ``START END`` a call) go to the file
+    ``calls`` in ``flags``: a test can tell how many whole slow calls ran within a window (a CPU
+    overload's, ``slow_calls_within``)."""
 
     def __init__(self, inner: Engine, flags: str) -> None:
         super().__init__(inner)
         self.hang = Path(flags) / "hang"
         self.fast = Path(flags) / "fast"
+        self.calls = Path(flags) / "calls"
 
     def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
         with self._lock:
             while self.hang.exists():
                 time.sleep(0.2)
-            if not self.fast.exists():
-                time.sleep(SLOW_GENERATE_S)
-            return self.inner.generate(requests)
+            if self.fast.exists():
+                return self.inner.generate(requests)
+            start = time.time()
+            time.sleep(SLOW_GENERATE_S)
+            out = self.inner.generate(requests)
+            with self.calls.open("a") as f:
+                f.write(f"{start} {time.time()}\n")
+            return out
 
 
 class BrokenEngine(_Wrapped):
@@ -81,12 +89,6 @@ def slow(engine: Engine, flags: str) -> Any:
 
 def broken(engine: Engine) -> Any:
     return BrokenEngine(engine)
-
-
-def slow_start(engine: Engine) -> Any:
-    """The engine comes up ``SLOW_START_S`` late (a model load on a busy machine)."""
-    time.sleep(SLOW_START_S)
-    return engine
 
 
 def never_starts(engine: Engine) -> Any:
@@ -127,35 +129,8 @@ def deadly(engine: Engine) -> Any:
     return DeadlyEngine(engine)
 
 
-class LoggedSlowEngine(SlowEngine):
-    """``SlowEngine`` that also writes each slowed call's start and end (``time.time()``, one
-    line ``START END`` a call) to the file ``calls`` in ``flags``: a test can tell how many
-    whole slow calls ran within a window (a CPU overload's)."""
-
-    def __init__(self, inner: Engine, flags: str) -> None:
-        super().__init__(inner, flags)
-        self.calls = Path(flags) / "calls"
-
-    def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
-        with self._lock:
-            while self.hang.exists():
-                time.sleep(0.2)
-            if self.fast.exists():
-                return self.inner.generate(requests)
-            start = time.time()
-            time.sleep(SLOW_GENERATE_S)
-            out = self.inner.generate(requests)
-            with self.calls.open("a") as f:
-                f.write(f"{start} {time.time()}\n")
-            return out
-
-
-def slow_logged(engine: Engine, flags: str) -> Any:
-    return LoggedSlowEngine(engine, flags)
-
-
 def slow_calls_within(flags: Path, since: float) -> int:
-    """Slow calls of a ``slow_logged`` engine that started at or after ``since`` (``time.time()``)
+    """Slow calls of a ``slow`` engine that started at or after ``since`` (``time.time()``)
     and have ended."""
     calls = flags / "calls"
     if not calls.exists():
