@@ -119,7 +119,15 @@ class TaskPlugin(Task, Protocol):
 
 
 class BaseTask:
-    """Defaults for a plugin without tools or environment state."""
+    """Defaults for a plugin without tools or environment state.
+
+    ``tool_prompt_fields``: the prompt row's fields that ``call_tool`` sees (default none). The
+    tool runs in the sandbox beside code the model wrote, so the rest of the row (the reward's
+    label above all) never enters its process: ``call_tool`` gets a ``prompt`` with only these
+    keys. A task whose tool needs a field of the row (the guess task's ``secret``) names it.
+    """
+
+    tool_prompt_fields: ClassVar[tuple[str, ...]] = ()
 
     def read_answer(self, spec: TaskSpec, text: str) -> str | None:
         """The final answer in the model's answer text (``None``: no answer in it)."""

@@ -34,6 +34,8 @@ class GuessTask(SplitTask):
         "Find a secret number with higher/lower feedback (multi-turn game)."
     )
     Spec: ClassVar[type[TaskSpec]] = GuessSpec
+    # the tool reads it (call_tool); nothing else of the prompt row reaches the tool
+    tool_prompt_fields: ClassVar[tuple[str, ...]] = ("secret",)
 
     def draw(self, spec: TaskSpec, rng: random.Random) -> tuple[str, dict[str, Any]]:
         assert isinstance(spec, GuessSpec)

@@ -112,6 +112,8 @@ class LongtailTask(BaseTask):
         "(ops/bench/pipeline.py); the reward is random."
     )
     Spec: ClassVar[type[TaskSpec]] = LongtailSpec
+    # the tool reads it (call_tool); nothing else of the prompt row reaches the tool
+    tool_prompt_fields: ClassVar[tuple[str, ...]] = ("key",)
     sleep: ClassVar[Any] = time.sleep
 
     def _prompt(self, spec: TaskSpec, stream: str, index: int) -> dict[str, Any]:

@@ -533,7 +533,9 @@ def work():
     return json.dumps(out).encode()
 
 
-o = sandbox.Sandbox(limits, plan, lay).run(work, network=False, timeout_s=20, started=lambda: 0)
+box = sandbox.Sandbox(limits, plan, lay, lambda _request: work())
+o = box.run(b"", network=False, timeout_s=20, started=lambda: 0)
+box.close()
 print(json.dumps({"mode": plan.mode, "mounts": plan.mounts, "hidden": plan.hidden,
                   "drop_uid": plan.drop_uid, "problems": plan.problems,
                   "answer": o.answer.decode() if o.answer else None, "failure": o.failure,

@@ -12,12 +12,13 @@ it again, and never reads an answer longer than ``answer_bytes``: a crash).
 
 How a call runs is ``rollout.tool_sandbox.level`` (docs/security.md):
 
-- ``sandbox`` (the default): the tool server, started once per runner, forks a fresh child for
-  each call (``rollcall.workers.episode.sandbox``): its own network namespace unless the task is
-  granted the network (``call(..., network=True)``), pid and mount namespaces, a fresh empty working
-  directory, an environment without the node's secrets, and per-call limits on CPU, memory,
-  processes, open files and file size. A call that hangs is killed with every process it
-  started; the server survives every call and serves the next.
+- ``sandbox`` (the default): the tool server, started once per runner, runs each call in a fresh
+  child that its clean zygote forked ahead of need (``rollcall.workers.episode.sandbox``), which
+  sees only the prompt fields the task declares (``tool_prompt_fields``): its own network
+  namespace unless the task is granted the network (``call(..., network=True)``), pid and mount
+  namespaces, a fresh empty working directory, an environment without the node's secrets, and
+  per-call limits on CPU, memory, processes, open files and file size. A call that hangs is
+  killed with every process it started; the server survives every call and serves the next.
 - ``process``: the tool server runs the tools itself, one call after the other, with an
   address-space limit only (``memory_mb``); a child that hangs or dies is killed and replaced.
   It shares the node's network, files, user and environment.
@@ -40,9 +41,7 @@ pickled by value), so nothing in a child needs ``__main__``.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import importlib
 import json
 import multiprocessing as mp
 import multiprocessing.spawn
@@ -245,40 +244,44 @@ def _serve_sandbox(
     plan: sandbox.Protections,
     observation_bytes: int,
 ) -> None:
-    """Level ``sandbox``: each call in a fresh child (``sandbox.Sandbox``). The environment is
-    emptied first, before the calls' modules are imported here (the forkserver imported this
-    module and the plugins' with the node's)."""
+    """Level ``sandbox``: each call in a fresh tool process (``sandbox.Sandbox``), a spare the
+    zygote forked ahead of need. The environment is emptied first; then the zygote is forked,
+    before the first request is read: no call's process is a fork of a process that has seen
+    another call's request or answer (the zygote imports the calls' modules itself)."""
     lay = sandbox.layout()  # where the node's secrets are: read before the environment goes
     sandbox.scrub_environment()
     sandbox.sweep(lay.workdirs)  # what servers killed during a call left
     if limits.memory_mb > 0:
         limit = limits.memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    box = sandbox.Sandbox(limits, plan, lay, answer_bytes(observation_bytes))
-    imported: set[str] = set()
-    while True:
-        try:
-            kind, timeout_s, network, modules, payload = conn.recv()
-        except EOFError:
-            return
-        for module in modules:  # once here, not in every call's child
-            if module not in imported:
-                imported.add(module)
-                with contextlib.suppress(Exception):  # the call's child says why, if it needs it
-                    importlib.import_module(module)
-        _sandbox_call(conn, box, kind, float(timeout_s), bool(network), payload, observation_bytes)
+
+    def handle(request: bytes) -> bytes:  # in the call's tool process
+        kind, _, payload = request.partition(b"\0")
+        return _encode(_run_request(kind.decode(), payload, limits, observation_bytes))
+
+    box = sandbox.Sandbox(limits, plan, lay, handle, answer_bytes(observation_bytes))
+    box.start()
+    try:
+        while not box.broken:
+            try:
+                kind, timeout_s, network, modules, payload = conn.recv()
+            except EOFError:
+                return
+            request = kind.encode() + b"\0" + payload
+            _sandbox_call(conn, box, request, float(timeout_s), bool(network), tuple(modules))
+    finally:
+        box.close()
 
 
 def _sandbox_call(
     conn: Connection,
     box: sandbox.Sandbox,
-    kind: str,
+    request: bytes,
     timeout_s: float,
     network: bool,
-    payload: bytes,
-    observation_bytes: int,
+    modules: tuple[str, ...],
 ) -> None:
-    """One call in its own child; says ``started`` once it is set up, then the answer."""
+    """One call in its own tool process; says ``started`` once it is set up, then the answer."""
     said = False
 
     def started() -> None:
@@ -289,9 +292,8 @@ def _sandbox_call(
 
     try:
         outcome = box.run(
-            lambda: _encode(_run_request(kind, payload, box.limits, observation_bytes)),
-            network=network, timeout_s=timeout_s, started=started,
-        )  # fmt: skip
+            request, network=network, timeout_s=timeout_s, started=started, modules=modules
+        )
         if outcome.answer is not None:
             answer = outcome.answer
         else:
@@ -300,6 +302,7 @@ def _sandbox_call(
         answer = _encode(["failed", "setup", f"{type(e).__name__}: {_cut(str(e))}"])
     started()
     conn.send_bytes(answer)
+    box.prepare(network, modules)  # the next call's set-up, while the model generates
 
 
 # -- the node's side --------------------------------------------------------------------------
@@ -378,7 +381,8 @@ class ToolRunner:
         if not isinstance(arguments, dict):
             return ToolResult("error: tool arguments must be a JSON object", state, False, True)
         try:
-            payload = pickle.dumps((plugin, spec, prompt, state, name, arguments))
+            seen = tool_prompt(plugin, prompt)  # the row's label never reaches the tool
+            payload = pickle.dumps((plugin, spec, seen, state, name, arguments))
         except Exception as e:
             return ToolResult(f"error: the tool call cannot be sent ({e})", state, False, True)
         request = ("tool", self.timeout_s, network, (type(plugin).__module__,), payload)
@@ -488,6 +492,16 @@ class ToolRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def tool_prompt(plugin: TaskPlugin, prompt: dict[str, Any]) -> dict[str, Any]:
+    """The prompt row as ``call_tool`` sees it: only the fields the task declares for its tools
+    (``tool_prompt_fields``, default none), so that the reward's label and whatever else the
+    row holds never enter the tool's process."""
+    fields = getattr(plugin, "tool_prompt_fields", ())
+    if isinstance(fields, str):  # ("secret") for ("secret",)
+        fields = (fields,)
+    return {k: prompt[k] for k in fields if k in prompt}
 
 
 def _limits(config: ToolSandboxConfig | None, memory_mb: int | None) -> sandbox.Limits:

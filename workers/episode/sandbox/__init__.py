@@ -1,12 +1,14 @@
 """The tool sandbox (``rollout.tool_sandbox.level: sandbox``): each tool call in a fresh process.
 
 The tool server (``rollcall.workers.episode.tools``: a single-threaded forkserver child, one per
-agent
-loop) forks, for each call, a *keeper* that sets the call up and forks the *tool process*, which
-runs the tool and exits. So a limit is per call (RLIMIT_CPU counts one call's CPU), and nothing
-a call leaves behind in memory, in its working directory or in its process tree reaches the
-next. Set-up, in order (``probe`` finds what the kernel allows; a call fails closed when a step
-that the probe found possible fails):
+agent loop) forks, before it reads any request, a *zygote* (``zygote``) that never sees one. The
+zygote forks, ahead of need, a *spare* for the next call: a *keeper* that sets the call up and
+forks the *tool process*, which waits for its one request, runs the tool and exits. So a limit is
+per call (RLIMIT_CPU counts one call's CPU), a call's processes never held another call's
+request or answer (nor the prompt fields its task did not declare: ``tool_prompt_fields``), and
+nothing a call leaves behind in memory, in its working directory or in its process tree reaches
+the next. Set-up, in order (``probe`` finds what the kernel allows; a call fails closed when a
+step that the probe found possible fails):
 
 - the keeper starts a session of its own (a process group: killing it kills the call's
   processes that stayed in it);
@@ -67,8 +69,9 @@ standard library, so that ``probe`` can run this package in a bare interpreter
 The modules: ``linux`` (the kernel's interface: ``unshare``, ``mount``, ``prctl``, ``capset``),
 ``paths`` (``Limits``; ``layout``: what a call's mount namespace covers and binds back),
 ``namespaces`` (a call's namespaces and mounts, made in its keeper), ``protections``
-(``probe``: what the kernel allows here), ``keeper`` (``Sandbox``: a call, its keeper, its tool
-process and the server's side), ``server`` (the tool server's environment and the calls'
+(``probe``: what the kernel allows here), ``zygote`` (the clean process that forks the spares,
+and the server's side of it), ``keeper`` (``Sandbox``: a call, its keeper, its tool process and
+the server's side), ``server`` (the tool server's environment and the calls'
 working directories). They import one another relatively and nothing of rollcall's.
 """
 

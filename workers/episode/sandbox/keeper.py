@@ -25,7 +25,6 @@ from .linux import (
     PR_SET_PDEATHSIG,
     _drop_bounding_set,
     _drop_capabilities,
-    _killpg,
     _mount,
     _oserror,
     _prctl,
@@ -37,6 +36,7 @@ from .namespaces import TOOL_UID_BASE, _enter
 from .paths import Layout, Limits
 from .protections import Protections
 from .server import WORKDIR_PREFIX, _forward_output, _remove
+from .zygote import Spare, Zygote
 
 START_TIMEOUT_S = 45.0  # the keeper must have set the call up by then (below the node's)
 KILL_WAIT_S = 5.0  # after a kill, how long the keeper's report is awaited
@@ -61,87 +61,125 @@ class CallResult:
 
 class Sandbox:
     """Runs calls as the module docstring says; used by the tool server, a single-threaded
-    process (it forks)."""
+    process (it forks). ``handler`` runs in a call's tool process: a request's bytes to its
+    answer's. ``start`` forks the zygote (``zygote``): before the server reads any request."""
 
     def __init__(
-        self, limits: Limits, plan: Protections, lay: Layout, answer_bytes: int = 16 << 20
+        self,
+        limits: Limits,
+        plan: Protections,
+        lay: Layout,
+        handler: Callable[[bytes], bytes],
+        answer_bytes: int = 16 << 20,
     ) -> None:
         self.limits = limits
         self.plan = plan
         self.layout = lay
+        self.handler = handler
         self.answer_bytes = answer_bytes  # a longer answer frame: the call crashed
+        self.server = os.getpid()
+        self._zygote: Zygote | None = None
+
+    def start(self) -> None:
+        if self._zygote is None:
+            self.server = os.getpid()
+            self._zygote = Zygote(self._spawn)
+            self._zygote.start()
+
+    @property
+    def broken(self) -> str:
+        """Why no call can run any more (the zygote is gone), or ""."""
+        return self._zygote.broken if self._zygote is not None else ""
+
+    def prepare(self, network: bool, modules: tuple[str, ...] = ()) -> None:
+        """Have a spare set up for the next call of this kind (``Zygote.prepare``)."""
+        if self._zygote is not None:
+            self._zygote.prepare(network, modules)
+
+    def close(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
 
     def run(
         self,
-        work: Callable[[], bytes],
+        request: bytes,
         *,
         network: bool,
         timeout_s: float,
         started: Callable[[], None],
+        modules: tuple[str, ...] = (),
     ) -> CallResult:
-        """``work()`` in a fresh tool process; its bytes, or why there are none. ``started``
-        is called once the call is set up (or failed to be): ``timeout_s`` counts from there."""
-        workdir = ""
-        output: Any = None
-        ans_r = ans_w = ctl_r = ctl_w = keeper = -1
+        """``handler(request)`` in a fresh tool process (a spare); its bytes, or why there are
+        none. ``started`` is called once the call is set up (or failed to be): ``timeout_s``
+        counts from there. ``modules``: what the zygote imports for the calls to come."""
+        self.start()
+        assert self._zygote is not None
+        spare = self._zygote.take(network, modules)
+        if isinstance(spare, str):
+            started()
+            return CallResult(failure="setup", detail=spare)
         try:
-            server = os.getpid()
-            prefix = f"{WORKDIR_PREFIX}{server}-"
-            workdir = tempfile.mkdtemp(prefix=prefix, dir=self.layout.workdirs)
-            output = tempfile.TemporaryFile(dir=self.layout.workdirs)  # noqa: SIM115 - closed below
-            ans_r, ans_w = os.pipe()
-            ctl_r, ctl_w = os.pipe()
-            keeper = os.fork()
-            if keeper == 0:  # pragma: no cover - the keeper never returns
-                os.close(ans_r)
-                os.close(ctl_r)
-                self._keeper(work, network, workdir, output.fileno(), ans_w, ctl_w, server)
-            os.close(ans_w)
-            os.close(ctl_w)
-            ans_w = ctl_w = -1
-            return self._watch(keeper, ans_r, ctl_r, timeout_s, started)
-        except OSError as e:  # no process or file for the call (EAGAIN, ENOSPC): its failure
-            if keeper <= 0:
-                started()
-                return CallResult(failure="setup", detail=_oserror(e))
-            raise
+            return self._watch(spare, request, timeout_s, started)
         finally:
-            for fd in (ans_r, ans_w, ctl_r, ctl_w):
-                if fd >= 0:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-            if keeper > 0:
-                _killpg(keeper)  # what stayed in the call's group (before the reap: see _watch)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(keeper, signal.SIGKILL)  # (a keeper stuck before its setsid)
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(keeper, 0)
-            if output is not None:
-                _forward_output(output)
-            if workdir:
-                _remove(workdir)
+            output = os.fdopen(spare.output, "rb")
+            spare.output = -1
+            spare.close()
+            self._zygote.end(spare)  # what stayed in the call's group killed, its keeper reaped
+            _forward_output(output)
+            _remove(spare.workdir)
+
+    # -- in the zygote: a spare -----------------------------------------------------------------
+
+    def _spawn(self, network: bool, close: list[int]) -> Spare:  # pragma: no cover - zygote
+        """Fork a keeper that sets a call up and waits for its request (in the zygote)."""
+        prefix = f"{WORKDIR_PREFIX}{self.server}-"  # the server's pid: ``sweep`` after it
+        workdir = tempfile.mkdtemp(prefix=prefix, dir=self.layout.workdirs)
+        fds: list[int] = []
+        try:
+            with tempfile.TemporaryFile(dir=self.layout.workdirs) as output:
+                fds.append(os.dup(output.fileno()))
+            for _ in range(3):
+                fds.extend(os.pipe())
+            out, req_r, req_w, ans_r, ans_w, ctl_r, ctl_w = fds
+            zygote = os.getpid()
+            keeper = os.fork()
+            if keeper == 0:
+                for fd in (*close, req_w, ans_r, ctl_r):
+                    os.close(fd)
+                self._keeper(network, workdir, out, req_r, ans_w, ctl_w, zygote)
+            for fd in (req_r, ans_w, ctl_w):
+                os.close(fd)
+            return Spare(keeper, workdir, req_w, ans_r, ctl_r, out)
+        except BaseException:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            _remove(workdir)
+            raise
 
     # -- the keeper (a child) and the tool process (its child) --------------------------------
 
     def _keeper(
         self,
-        work: Callable[[], bytes],
         network: bool,
         workdir: str,
         out_fd: int,
+        req_r: int,
         ans_w: int,
         ctl_w: int,
-        server: int,
+        zygote: int,
     ) -> None:  # pragma: no cover - runs in a child
         code = 1
         try:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.setsid()
             _enter(
                 self.plan, self.layout, network=network, workdir=workdir,
                 size_mb=max(self.limits.file_mb, 1),
             )  # fmt: skip
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the set-up: a uid change clears it
-            if os.getppid() != server:
+            if os.getppid() != zygote:
                 return
             uid = None  # the uid the tool process takes (root: one of the call's own)
             if self.plan.drop_uid and self.plan.mode != "userns":  # (userns: the keeper took it)
@@ -155,9 +193,11 @@ class Sandbox:
             tool = os.fork()
             if tool == 0:
                 os.close(alive_w)
-                self._tool(work, uid, nproc, workdir, out_fd, ans_w, mount_proc, alive_r)
+                os.close(ctl_w)
+                self._tool(uid, nproc, workdir, out_fd, req_r, ans_w, mount_proc, alive_r)
             os.close(alive_r)
             os.close(ans_w)
+            os.close(req_r)
             _write_all(ctl_w, json.dumps({"pid": tool}).encode() + b"\n")
             _, status, usage = os.wait4(tool, 0)
             cpu = usage.ru_utime + usage.ru_stime
@@ -172,11 +212,11 @@ class Sandbox:
 
     def _tool(
         self,
-        work: Callable[[], bytes],
         uid: int | None,
         nproc: int,
         workdir: str,
         out_fd: int,
+        req_r: int,
         ans_w: int,
         mount_proc: bool,
         alive_r: int,
@@ -187,8 +227,8 @@ class Sandbox:
             if mount_proc:  # this pid namespace's processes only; else the call fails
                 _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             # out of the way first (any of them may be 0 to 4)
-            out_fd, ans_w, alive_r = (
-                fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in (out_fd, ans_w, alive_r)
+            out_fd, ans_w, alive_r, req_r = (
+                fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in (out_fd, ans_w, alive_r, req_r)
             )
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
@@ -196,7 +236,8 @@ class Sandbox:
             os.dup2(out_fd, 2)
             os.dup2(ans_w, 3, inheritable=False)  # not the tool's subprocesses'
             os.dup2(alive_r, 4, inheritable=False)
-            os.closerange(5, 1 << 20)
+            os.dup2(req_r, 5, inheritable=False)
+            os.closerange(6, 1 << 20)
             lim = self.limits
             for which, value in (
                 (resource.RLIMIT_CORE, 0),
@@ -234,7 +275,12 @@ class Sandbox:
             os.environ.clear()
             os.environ.update(PATH=path, LANG=lang, HOME=workdir, TMPDIR=workdir)
             tempfile.tempdir = workdir
-            data = work()
+            request = _read_frame(5)  # a spare waits here until its call comes
+            os.close(5)
+            if request is None:  # never used (the server ended)
+                code = 0
+                return
+            data = self.handler(request)
             _write_all(3, len(data).to_bytes(8, "big") + data)
             code = 0
         except BaseException as e:  # said in the call's output (the node's log gets it)
@@ -246,8 +292,9 @@ class Sandbox:
     # -- the server's side ---------------------------------------------------------------------
 
     def _watch(
-        self, keeper: int, ans_r: int, ctl_r: int, timeout_s: float, started: Callable[[], None]
+        self, spare: Spare, request: bytes, timeout_s: float, started: Callable[[], None]
     ) -> CallResult:
+        ans_r, ctl_r = spare.answer, spare.control
         ctl = _Lines(ctl_r)
         first = ctl.next(time.monotonic() + START_TIMEOUT_S)
         started()
@@ -255,6 +302,12 @@ class Sandbox:
             why = (first or {}).get("error", "the call's keeper died while setting it up")
             return CallResult(failure="setup", detail=str(why))
         tool = int(first["pid"])
+        frame = len(request).to_bytes(8, "big") + request
+        if not _write_frame(spare.request, frame, time.monotonic() + START_TIMEOUT_S):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(tool, signal.SIGKILL)  # (still this call's: its keeper has not reaped it)
+        os.close(spare.request)
+        spare.request = -1
         answer = _Frame(self.answer_bytes)
         report: dict[str, Any] | None = None
         deadline = time.monotonic() + timeout_s
@@ -281,19 +334,19 @@ class Sandbox:
                 f"{self.answer_bytes:,})"
             )
             return CallResult(failure="crashed", detail=why, cpu_s=float(report.get("cpu", 0.0)))
-        timed_out = answer.data is None and report is None
-        if report is None:  # still running (timed out, or exiting after its answer)
+        if answer.data is not None:  # not waited for its exit: the zygote's ``end`` kills it
+            return CallResult(answer=answer.data, cpu_s=float((report or {}).get("cpu", 0.0)))
+        timed_out = report is None
+        if report is None:  # still running (timed out)
             if timed_out:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(tool, signal.SIGKILL)  # not reaped yet: still this call's pid
             report = ctl.next(time.monotonic() + KILL_WAIT_S)
-            if report is None:  # not exited after its answer, or the keeper is gone
+            if report is None:  # the keeper is gone
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(tool, signal.SIGKILL)
                 report = ctl.next(time.monotonic() + KILL_WAIT_S) or {"lost": True}
         cpu = float(report.get("cpu", 0.0))
-        if answer.data is not None:
-            return CallResult(answer=answer.data, cpu_s=cpu)
         if timed_out:
             return CallResult(failure="timeout", cpu_s=cpu)
         return self._death(report, cpu)
@@ -379,3 +432,34 @@ class _Lines:
         except ValueError:
             return None
         return value
+
+
+def _write_frame(fd: int, data: bytes, deadline: float) -> bool:
+    """Write ``data`` into a pipe by ``deadline``; False if the reader is gone or too slow
+    (then the call's report says what became of it)."""
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [fd], [], left)[1]:
+                return False
+        except OSError:  # EPIPE: the tool process is gone
+            return False
+    return True
+
+
+def _read_frame(fd: int) -> bytes | None:  # pragma: no cover - runs in the tool process
+    """A length-prefixed request from a pipe; None at its end before a whole one."""
+    buf = bytearray()
+    need = 8
+    while len(buf) < need:
+        chunk = os.read(fd, max(need - len(buf), 1 << 16))
+        if not chunk:
+            return None
+        buf += chunk
+        if need == 8 and len(buf) >= 8:
+            need = 8 + int.from_bytes(buf[:8], "big")
+    return bytes(buf[8:need])

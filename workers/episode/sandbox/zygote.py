@@ -1,0 +1,250 @@
+"""The zygote: a clean process that forks each call's keeper ahead of need (a warm pool of
+*spares*). Standard library only.
+
+The tool server reads every call's request (the prompt fields the task declares, the state,
+the arguments) and every answer. A process forked from it would carry them all, and code the
+tool launches could read them (``/proc/1/mem`` of the call's pid namespace, under the call's
+own uid). So, before it reads its first request, the server forks a *zygote* that never
+receives one: it only forks spares when the server asks (``spare``), and reaps them when the
+server is done with them (``end``). A spare is a call's keeper with its call set up (its
+namespaces and mounts, its tool process forked and limited, waiting for a request): the zygote
+hands the server the spare's pipes and output file (``SCM_RIGHTS``), and the server writes one
+request into it. So a call's processes hold its own request and nothing of other calls, and
+the set-up of a call (two forks, namespaces, mounts) is off the path between its request and its
+answer. The server does not wait for a call's processes to exit either: once the answer is
+read, the zygote kills what is left and reaps it.
+
+After each call the server orders ``SPARES`` spares of its kind (with or without the network)
+ahead, so their set-up runs between calls (while the model generates the next turn), not beside
+a call; the zygote serves the orders one after the other. If the zygote dies, the server cannot
+make a clean one again (it has seen requests): ``Zygote.broken`` says so and the server ends, to be
+replaced by a fresh one (a restart, as for any lost tool server).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .linux import PR_SET_PDEATHSIG, _killpg, _oserror, _prctl
+from .server import _remove
+
+SPARES = 1  # spares ordered ahead, per kind (with or without the network)
+ORDER_TIMEOUT_S = 30.0  # the zygote must hand over a spare by then (a fork and a few pipes)
+_MESSAGE_BYTES = 1 << 16
+
+
+@dataclass
+class Spare:
+    """A keeper forked by the zygote, setting up (or set up for) one call: ``pid`` (its
+    process group too), its working directory, and the server's ends of its pipes: ``request``
+    (write the call's request, length-prefixed), ``answer`` (the tool's answer frame),
+    ``control`` (the keeper's JSON lines), and ``output`` (the call's stdout and stderr, a
+    file)."""
+
+    pid: int
+    workdir: str
+    request: int
+    answer: int
+    control: int
+    output: int
+
+    def fds(self) -> list[int]:
+        return [self.request, self.answer, self.control, self.output]
+
+    def close(self) -> None:
+        for fd in self.fds():
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+Spawn = Callable[[bool, list[int]], Spare]  # (network, fds the keeper must close) -> a spare
+
+
+class Zygote:
+    """The server's side of its zygote. ``spawn`` runs in the zygote: it forks a keeper for a
+    call with or without the network and returns it (its ends of the pipes closed there)."""
+
+    def __init__(self, spawn: Spawn) -> None:
+        self._spawn = spawn
+        self.pid = -1
+        self._sock: socket.socket | None = None
+        self._ready: dict[bool, deque[Spare | str]] = {False: deque(), True: deque()}
+        self._ordered: deque[bool] = deque()  # kinds ordered, in order, not yet handed over
+        self.broken = ""  # why the zygote is gone ("" while it serves)
+
+    def start(self) -> None:
+        """Fork the zygote: call it before the first request is read."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        server = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the zygote never returns
+            ours.close()
+            _serve(theirs, self._spawn, server)
+        theirs.close()
+        self.pid, self._sock = pid, ours
+
+    def take(self, network: bool, modules: Iterable[str] = ()) -> Spare | str:
+        """A spare for a call (with the network or not), or why there is none. ``modules``:
+        what the zygote imports before it forks (once each)."""
+        ready = self._ready[network]
+        while not ready:
+            if network not in self._ordered:
+                self._order(network, list(modules))
+            if not self._receive():
+                return self.broken
+        return ready.popleft()
+
+    def prepare(self, network: bool, modules: Iterable[str] = ()) -> None:
+        """Order spares of a kind up to ``SPARES``: after a call, so that the next one's set-up
+        runs between calls (a turn's generation), not beside a call."""
+        while self._ordered.count(network) + len(self._ready[network]) < SPARES:
+            if not self._order(network, list(modules)):
+                return
+
+    def end(self, spare: Spare) -> None:
+        """The call is over: the zygote kills what stayed in the spare's process group and
+        reaps its keeper (the zygote is its parent: no pid is reused before that)."""
+        self._send({"op": "end", "pid": spare.pid})
+
+    def close(self) -> None:
+        """End the zygote and every spare it holds; their working directories go with them."""
+        for kind in self._ready.values():
+            for spare in kind:
+                if isinstance(spare, Spare):
+                    spare.close()
+                    _remove(spare.workdir)
+            kind.clear()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self.pid > 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, 0)
+            self.pid = -1
+
+    # -- the server's side of the protocol ----------------------------------------------------
+
+    def _order(self, network: bool, modules: list[str]) -> bool:
+        if not self._send({"op": "spare", "network": network, "modules": modules}):
+            return False
+        self._ordered.append(network)
+        return True
+
+    def _send(self, message: dict[str, Any]) -> bool:
+        if self._sock is None or self.broken:
+            return False
+        try:
+            self._sock.send(json.dumps(message).encode())
+        except OSError as e:
+            self.broken = f"the sandbox's zygote is gone ({_oserror(e)})"
+            return False
+        return True
+
+    def _receive(self) -> bool:
+        """The next spare the zygote hands over, filed under its kind; False: it is gone."""
+        if self._sock is None or not self._ordered:
+            self.broken = self.broken or "the sandbox's zygote is gone"
+            return False
+        ready, _, _ = select.select([self._sock], [], [], ORDER_TIMEOUT_S)
+        data: bytes = b""
+        fds: list[int] = []
+        if ready:
+            with contextlib.suppress(OSError):
+                data, fds, _, _ = socket.recv_fds(self._sock, _MESSAGE_BYTES, 4)
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            why = "gone" if ready else f"silent for {ORDER_TIMEOUT_S:g} s"
+            self.broken = f"the sandbox's zygote is {why}"
+            return False
+        kind = self._ordered.popleft()
+        msg = json.loads(data)
+        if "error" in msg or len(fds) != 4:
+            for fd in fds:
+                os.close(fd)
+            self._ready[kind].append(str(msg.get("error", "the zygote sent no pipes")))
+        else:
+            self._ready[kind].append(Spare(int(msg["pid"]), str(msg["workdir"]), *fds))
+        return True
+
+
+# -- the zygote ---------------------------------------------------------------------------------
+
+
+def _serve(sock: socket.socket, spawn: Spawn, server: int) -> None:  # pragma: no cover - child
+    """The zygote's loop: spares forked on order, keepers reaped when their call is over. It
+    holds no file of the server's but its socket, and never reads a request."""
+    children: set[int] = set()
+    try:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != server:
+            return
+        keep = {0, 1, 2, sock.fileno()}
+        for entry in Path("/proc/self/fd").iterdir():  # the server's pipe to the node among them
+            if int(entry.name) not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(int(entry.name))
+        imported: set[str] = set()
+        gc.freeze()  # what is here stays untouched by the children's collections (fewer copies)
+        while True:
+            try:
+                data = sock.recv(_MESSAGE_BYTES)
+            except OSError:
+                return
+            if not data:
+                return  # the server is gone
+            msg = json.loads(data)
+            if msg.get("op") == "end":
+                pid = int(msg["pid"])
+                if pid in children:
+                    children.discard(pid)
+                    _reap(pid)
+                continue
+            new = [m for m in msg.get("modules", ()) if m not in imported]
+            for module in new:  # once here, not in every call's processes
+                imported.add(module)
+                with contextlib.suppress(Exception):  # the call's tool process says why, if any
+                    importlib.import_module(module)
+            if new:
+                gc.freeze()
+            try:
+                spare = spawn(bool(msg.get("network")), [sock.fileno()])
+            except OSError as e:  # no process or file for it (EAGAIN, ENOSPC): the call's failure
+                sock.send(json.dumps({"error": _oserror(e)}).encode())
+                continue
+            children.add(spare.pid)
+            try:
+                reply = json.dumps({"pid": spare.pid, "workdir": spare.workdir}).encode()
+                socket.send_fds(sock, [reply], [spare.request, spare.answer, spare.control,
+                                                spare.output])  # fmt: skip
+            finally:
+                spare.close()  # the server holds them now
+    except BaseException:  # the server sees the socket close
+        pass
+    finally:
+        for pid in children:
+            _reap(pid)
+        os._exit(0)
+
+
+def _reap(pid: int) -> None:  # pragma: no cover - runs in the zygote
+    _killpg(pid)  # what stayed in the call's group (before the reap: the pid is still its)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
