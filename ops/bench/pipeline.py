@@ -31,6 +31,7 @@ makes 16 nodes a 1,024-loop fleet), ``async``/``sync`` (one run).
 
 Usage: python ops/bench/pipeline.py [--quick] [--mode compare|scaling|async|sync] [--scale 0.02]
        [--nodes 4] [--concurrency 16] [--tasks 4] [--batch-groups 8] [--group-size 4]
+       [--tool-level sandbox|process]
 Prints a table, then (last line) one JSON object with the figures.
 """
 
@@ -93,6 +94,7 @@ class Setup:
     steps: int = 30
     warmup: int = 4
     ratio: float = 10.0  # sync rollout time of a batch / training time of a batch
+    tool_level: str = "sandbox"  # rollout.tool_sandbox.level
     engine: dict[str, Any] = field(default_factory=dict)  # TimingEngineConfig overrides
     trainer: dict[str, Any] = field(default_factory=dict)  # TimingTrainerConfig overrides
 
@@ -215,6 +217,7 @@ def config_for(setup: Setup, name: str, url: str, run_dir: Path) -> RollcallConf
                 "max_tokens": MAX_TOKENS,
                 "start_timeout_s": 300,
                 "tool_timeout_s": tool_timeout_s,
+                "tool_sandbox": {"level": setup.tool_level},
             },
             "control_plane": {"progress_timeout_s": progress_timeout_s},
             "trainer": {"cpus_per_rank": 0.1, "timing_model": setup.trainer_config().model_dump()},
@@ -449,6 +452,12 @@ def main() -> None:
     ap.add_argument("--steps-sync", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=4, help="steps before the measured window")
     ap.add_argument("--ratio", type=float, default=10.0, help="sync rollout / train time")
+    ap.add_argument(
+        "--tool-level",
+        choices=("sandbox", "process"),
+        default="sandbox",
+        help="rollout.tool_sandbox.level of the jobs (default: the default, sandbox)",
+    )
     ap.add_argument("--dry", type=int, default=400, help="dry-run trajectories per task")
     ap.add_argument(
         "--sequential-groups",
@@ -478,6 +487,7 @@ def main() -> None:
         nodes=args.nodes, concurrency=args.concurrency, tasks=args.tasks,
         batch_groups=args.batch_groups, group_size=args.group_size,
         max_staleness=args.max_staleness, scale=args.scale, warmup=args.warmup, ratio=args.ratio,
+        tool_level=args.tool_level,
     )  # fmt: skip
     steps = {"async": args.steps_async, "sync": args.steps_sync}
     if args.quick:
