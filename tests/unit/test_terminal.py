@@ -2,7 +2,8 @@
 code, a tool or the model controls are escaped before they reach the operator's terminal or
 rollcall's logs. The escaping function itself; a user-code exception whose message holds ANSI
 escapes, a bell, a carriage return and a fake "job finished" line, as ``rollcall events`` and
-the driver's terminal print it and as driver.log and the error line on stderr get it."""
+the driver's terminal print it and as driver.log and the error line on stderr get it. (A tool's
+forwarded output: tests/unit/test_tool_sandbox.py.)"""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from rollcall.orchestrator.domain import EventView
 from rollcall.orchestrator.runner.rundir import RunDir
 from rollcall.orchestrator.runner.usererrors import UserErrorReport
 from rollcall.orchestrator.terminal import escape_controls
+from rollcall.workers.episode.sandbox import server
 from rollcall.workers.episode.usercode import UserCodeError, user_call
 
 # clear the screen, red, a window title (OSC ... BEL), a carriage return over the line, a C1 CSI
@@ -38,6 +40,13 @@ def test_every_control_character_but_newline_and_tab_is_escaped_visibly() -> Non
     )
     kept = "line\n\ttabbed  é 日本 🙂 \\x1b \u2028"
     assert escape_controls(kept) is kept  # nothing to escape: the same string, no copy
+
+
+def test_the_tool_servers_copy_escapes_exactly_the_same() -> None:
+    """The sandbox package imports nothing of rollcall's: its own copy, held equal here."""
+    every = "".join(map(chr, range(0x3000)))
+    assert server.escape_controls(every) == escape_controls(every)
+    assert server.escape_controls(HOSTILE) == escape_controls(HOSTILE)
 
 
 def _failure() -> UserCodeError:
