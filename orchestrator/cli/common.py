@@ -50,15 +50,18 @@ def open_db(ctx: typer.Context, *, verify_schema: bool = True) -> Database:
 
 
 def console() -> Console:
-    from rich.console import Console
+    """The console commands print on; every string it prints has its control characters
+    escaped (``rollcall.orchestrator.terminal``): events, errors and reasons hold text of
+    tools, of the user's code and of the model."""
+    from rollcall.orchestrator.terminal import SafeConsole
 
-    return Console(highlight=False, soft_wrap=True)
+    return SafeConsole(highlight=False, soft_wrap=True)
 
 
 def err_console() -> Console:
-    from rich.console import Console
+    from rollcall.orchestrator.terminal import SafeConsole
 
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    return SafeConsole(stderr=True, highlight=False, soft_wrap=True)
 
 
 def table(*headers: str) -> Any:
@@ -102,10 +105,11 @@ def compact_table(*columns: Any) -> Any:
 
 
 def one_line(*cells: str) -> list[Any]:
-    """The cells of a ``compact_table`` row, each cut with an ellipsis rather than wrapped."""
-    from rich.text import Text
+    """The cells of a ``compact_table`` row, each cut with an ellipsis rather than wrapped (and
+    its control characters escaped)."""
+    from rollcall.orchestrator.terminal import safe_text
 
-    return [Text(c, no_wrap=True, overflow="ellipsis") for c in cells]
+    return [safe_text(c, no_wrap=True, overflow="ellipsis") for c in cells]
 
 
 def print_json(data: Any) -> None:

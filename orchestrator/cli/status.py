@@ -56,6 +56,7 @@ def render_status(doc: dict[str, Any]) -> Any:
     from rich.text import Text
 
     from rollcall.orchestrator.services.status import slot_lines
+    from rollcall.orchestrator.terminal import safe_text
 
     j, tr = doc["job"], doc["trainer"]
     total = f"/{j['total_steps']}" if j["total_steps"] else ""
@@ -107,7 +108,7 @@ def render_status(doc: dict[str, Any]) -> Any:
     parts.append(tasks if doc["tasks"] else Text("tasks: none registered"))
     for t in doc["tasks"]:
         if t.get("paused"):
-            parts.append(Text(t["paused"]))
+            parts.append(safe_text(t["paused"]))
     if doc.get("user_errors"):
         errors = compact_table(col("n", right=True), "task", col("user code failed", flex=True))
         for u in doc["user_errors"]:
@@ -118,7 +119,7 @@ def render_status(doc: dict[str, Any]) -> Any:
         parts.append(Text(f"latest: {doc['user_errors'][0]['last']}"))
     parts.append(Text(""))
     parts.append(_nodes_table(doc["nodes"]) if doc["nodes"] else Text("workers: none yet"))
-    parts.extend(Text(line) for line in slot_lines(doc["nodes"]))
+    parts.extend(safe_text(line) for line in slot_lines(doc["nodes"]))
     parts.append(Text(""))
     parts.extend(_pack("buffer (episodes):", [f"{k} {v}" for k, v in doc["buffer"].items()]))
     if doc["recent_events"]:

@@ -63,6 +63,7 @@ from rollcall.orchestrator.runner.trainstep import broadcast_version, train_step
 from rollcall.orchestrator.runner.usererrors import UserErrorReport
 from rollcall.orchestrator.services.jobs import create_job
 from rollcall.orchestrator.services.tasks import check_agent_tasks, ensure_tasks
+from rollcall.orchestrator.terminal import SafeConsole
 
 if TYPE_CHECKING:
     from rollcall.workers.rollout.node import NodeConfig
@@ -92,7 +93,7 @@ class JobDriver:
         self.chat_template = read_chat_template(config.model.chat_template)
         self.home = home
         self.resume = resume
-        self.console = console or Console()
+        self.console = console or SafeConsole()
         self.live = live
         self.actor = actor
         self.supervisor: Any = None

@@ -33,6 +33,7 @@ from rollcall.orchestrator.bounds import LOG_BACKUPS_DEFAULT, LOG_MB_DEFAULT
 from rollcall.orchestrator.evalstats import mean_interval
 from rollcall.orchestrator.runner.trackers import open_trackers
 from rollcall.orchestrator.settings import mask_url
+from rollcall.orchestrator.terminal import EscapingFormatter, escape_controls
 
 if TYPE_CHECKING:
     from rollcall.orchestrator.config import RunConfig
@@ -74,8 +75,8 @@ class RunDir:
         to_file = logging.handlers.RotatingFileHandler(
             self.log_path, maxBytes=max_bytes, backupCount=backups, encoding="utf-8", delay=True
         )
-        to_file.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s")
+        to_file.setFormatter(  # a message's control characters escaped (tools', users')
+            EscapingFormatter("%(asctime)s %(levelname)s %(name)s [%(threadName)s] %(message)s")
         )
         errors = _ErrorLine(self.log_path)
         root.addHandler(to_file)
@@ -232,6 +233,6 @@ class _ErrorLine(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             first = record.getMessage().splitlines()[0] if record.getMessage() else ""
-            sys.stderr.write(f"error: {first} (details in {self.log_path})\n")
+            sys.stderr.write(f"error: {escape_controls(first)} (details in {self.log_path})\n")
         except Exception:
             self.handleError(record)

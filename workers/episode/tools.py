@@ -235,7 +235,9 @@ def _serve(conn: Connection, limits: sandbox.Limits, observation_bytes: int) -> 
         except EOFError:
             return
         conn.send_bytes(b'["started"]')
-        conn.send_bytes(_encode(_run_request(kind, payload, limits, observation_bytes)))
+        with sandbox.forwarded_output():  # to the log, escaped, before the answer
+            answer = _encode(_run_request(kind, payload, limits, observation_bytes))
+        conn.send_bytes(answer)
 
 
 def _serve_sandbox(

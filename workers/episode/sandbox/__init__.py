@@ -46,7 +46,8 @@ step that the probe found possible fails):
   server already dropped everything else, rollcall's database URL, Ray's token and PostgreSQL's
   variables among it, and overwrote its environment block, so ``/proc/self/environ`` holds nothing
   either); stdin from /dev/null; stdout and stderr into a file whose first ``OUTPUT_BYTES`` the
-  server copies to its own stderr (the node's log) after the call; no file descriptor of the
+  server copies to its own stderr (the node's log) after the call, escaped, each line marked
+  ``tool| `` (``server._forward_output``); no file descriptor of the
   server's (its pipe to the node among them).
 
 The tool process answers through a pipe (length-prefixed bytes: the tool server's JSON, never a
@@ -71,8 +72,9 @@ The modules: ``linux`` (the kernel's interface: ``unshare``, ``mount``, ``prctl`
 ``namespaces`` (a call's namespaces and mounts, made in its keeper), ``protections``
 (``probe``: what the kernel allows here), ``zygote`` (the clean process that forks the spares,
 and the server's side of it), ``keeper`` (``Sandbox``: a call, its keeper, its tool process and
-the server's side), ``server`` (the tool server's environment and the calls'
-working directories). They import one another relatively and nothing of rollcall's.
+the server's side), ``server`` (the tool server's environment, the calls' output forwarded to
+its log, escaped, and their working directories). They import one another relatively and
+nothing of rollcall's.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ from .namespaces import TOOL_UID_BASE
 from .paths import SCRATCH, Layout, Limits, layout
 from .paths import _under as _under  # (tests)
 from .protections import Protections, probe, probe_here
-from .server import OUTPUT_BYTES, WORKDIR_PREFIX, scrub_environment, sweep
+from .server import OUTPUT_BYTES, WORKDIR_PREFIX, forwarded_output, scrub_environment, sweep
 
 __all__ = [
     "CLONE_NEWNET",
@@ -101,6 +103,7 @@ __all__ = [
     "Limits",
     "Protections",
     "Sandbox",
+    "forwarded_output",
     "layout",
     "probe",
     "probe_here",

@@ -1,15 +1,18 @@
 """The tool server's housekeeping: its environment emptied (``scrub_environment``), a call's
-output forwarded to its log, and the working directories of calls removed (``sweep``).
-Standard library only."""
+output forwarded to its log, escaped (``_forward_output``), and the working directories of calls
+removed (``sweep``). Standard library only."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import os
+import re
 import shutil
 import stat
-from collections.abc import Iterable
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ from .linux import _write_all
 
 OUTPUT_BYTES = 16 * 1024  # of a call's stdout and stderr, what the node's log gets
 WORKDIR_PREFIX = "rollcall-tool-"  # + the server's pid + "-": a call's working directory
+OUTPUT_PREFIX = "tool| "  # before each forwarded line of a call's output
 
 
 _BYTES_DATA = bytes.__basicsize__ - 1  # where a bytes object's data starts (CPython)
@@ -43,16 +47,60 @@ def scrub_environment(keep: Iterable[str] = ("PATH", "LANG")) -> None:
     os.environ.update(kept)
 
 
+# rollcall.orchestrator.terminal.escape_controls's table (this package imports nothing of
+# rollcall's; tests/unit/test_terminal.py holds the two equal)
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_ESCAPES = {c: f"\\x{c:02x}" for c in (*range(0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0))}
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with each control character but ``\\n`` and ``\\t`` as ``\\xNN``."""
+    return text if _CONTROL.search(text) is None else text.translate(_ESCAPES)
+
+
 def _forward_output(output: Any) -> None:
-    """A call's stdout and stderr, its first ``OUTPUT_BYTES``, to this process's stderr."""
+    """A call's stdout and stderr, its first ``OUTPUT_BYTES``, to this process's stderr (the
+    node's log, which an operator reads on a terminal): decoded as UTF-8 (an invalid byte as
+    ``\\xNN``), its control characters escaped (``escape_controls``: no ANSI sequence, bell or
+    carriage return reaches the terminal) and each line prefixed with ``OUTPUT_PREFIX``, so
+    that no line of a tool's can pass for one of rollcall's."""
     with contextlib.suppress(OSError, ValueError), output:
         size = os.fstat(output.fileno()).st_size
         if size:
             output.seek(0)
             head = output.read(OUTPUT_BYTES)
             more = f" (first {OUTPUT_BYTES} of {size} bytes)" if size > OUTPUT_BYTES else ""
-            note = f"--- a tool call's output{more}:\n".encode()
-            _write_all(2, note + head + (b"" if head.endswith(b"\n") else b"\n"))
+            lines = escape_controls(head.decode("utf-8", "backslashreplace")).split("\n")
+            if lines[-1] == "":
+                lines.pop()
+            text = "".join(f"{OUTPUT_PREFIX}{line}\n" for line in lines)
+            _write_all(2, f"--- a tool call's output{more}:\n{text}".encode())
+
+
+@contextlib.contextmanager
+def forwarded_output() -> Iterator[None]:
+    """Level ``process`` (the tools run in the server): what is written on file descriptors 1
+    and 2 inside, the tool's and its subprocesses', goes to a file and is forwarded after, as a
+    sandboxed call's is (``_forward_output``), instead of reaching the node's log raw."""
+    output = tempfile.TemporaryFile()  # noqa: SIM115 - closed by _forward_output
+    saved = [os.dup(1), os.dup(2)]
+    _flush()
+    try:
+        os.dup2(output.fileno(), 1)
+        os.dup2(output.fileno(), 2)
+        yield
+    finally:
+        _flush()
+        for fd, old in enumerate(saved, start=1):
+            os.dup2(old, fd)
+            os.close(old)
+        _forward_output(output)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # None, closed or replaced by the tool
+            stream.flush()
 
 
 def _remove(path: str) -> None:
