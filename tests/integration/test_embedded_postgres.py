@@ -307,10 +307,10 @@ def test_no_other_local_user_connects(server_home: Path) -> None:
     another local uid reaches neither. The rules admit the owner alone, by peer credentials."""
     server = EmbeddedPostgres(server_home)
     server.ensure_running()
+    _assert_nobody_cannot_connect(server)
     st = server.socket_dir.stat()
     assert st.st_mode & 0o777 == 0o700
     assert st.st_uid == (pwd.getpwnam("embedded_postgres").pw_uid)
-    _assert_nobody_cannot_connect(server)
     with psycopg.connect(
         host=str(server.socket_dir), port=5432, user="postgres", dbname="postgres"
     ) as c:
