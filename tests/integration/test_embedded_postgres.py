@@ -14,6 +14,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -359,7 +360,7 @@ def test_a_trust_home_is_converted_at_its_next_start(
     home = server_home
     server = EmbeddedPostgres(home)
     server.ensure_running()
-    sock = {"host": str(server.socket_dir), "port": 5432, "user": "postgres"}
+    sock: dict[str, Any] = {"host": str(server.socket_dir), "port": 5432, "user": "postgres"}
     with psycopg.connect(**sock, dbname="postgres", autocommit=True) as c:
         c.execute("DROP DATABASE rollcall WITH (FORCE)")
         c.execute("CREATE DATABASE rollcall")  # the superuser's, as before
