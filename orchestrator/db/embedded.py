@@ -15,7 +15,8 @@ Guarantees:
   Migrations run as ``rollcall_migrator`` (``url(role=MIGRATOR)``), which owns the database;
   the roles are those of ``postgres-roles.sql`` (the file an external deployment runs), set up
   by running that very file with the bundled ``psql``. The superuser ``postgres`` is for
-  administration (``admin_url()``: creating databases, the tests' templates).
+  the owner's administration (``url(role=SUPERUSER)``: creating databases, the tests'
+  templates).
 - A home made by an earlier rollcall (``trust`` authentication, everything owned by
   ``postgres``) is converted at its next start: authentication rewritten, roles created, its
   objects handed to the migrator, one line on stderr.
@@ -120,18 +121,13 @@ class EmbeddedPostgres:
         """The URL for ``role`` (no password: peer authentication on the socket)."""
         return f"postgresql+psycopg://{role}@/{database}?host={self.socket_dir}&port={PORT}"
 
-    def admin_url(self, database: str = SUPERUSER) -> str:
-        """The superuser's URL: administration (creating databases), never a job's sessions."""
-        return self.url(database, role=SUPERUSER)
-
     def ensure_running(self) -> str:
         """Start the server if it is not answering; set up (or convert) its authentication,
         roles and ``rollcall`` database. Returns the runtime role's URL."""
         if self._auth_current() and self._probe():
             return self.url()
-        self._check_reachable()
+        self._check_reachable()  # before anything is written in the home
         with self._locked():
-            self._check_reachable()
             if self._probe() is None:
                 fresh = self._init_if_needed()
                 converted = self._write_auth() and not fresh
