@@ -84,9 +84,9 @@ be finite. A config that cannot make progress is refused with one sentence namin
 batch unfillable under the config the job was created with.
 
 Environment variables (all prefixed `ROLLCALL_`): `ROLLCALL_DATABASE_URL` (overrides
-`database.url`), `ROLLCALL_HOME` (the state directory, default `~/.rollcall`), `ROLLCALL_CONFIG`
-(a config whose `database.url` the CLI uses), `ROLLCALL_JOB` (the default job of `task`
-commands).
+`database.url`), `ROLLCALL_HOME` (the state directory, default `~/.rollcall`, as root
+`/var/lib/rollcall`), `ROLLCALL_CONFIG` (a config whose `database.url` the CLI uses),
+`ROLLCALL_JOB` (the default job of `task` commands).
 
 A short example, the shape of `configs/quickstart.yaml`:
 

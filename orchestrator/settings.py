@@ -2,7 +2,11 @@
 
 Resolution order for the database: an explicit URL (``--database-url`` or
 ``ROLLCALL_DATABASE_URL``), then the config file's ``database.url``, then the embedded
-PostgreSQL under ``ROLLCALL_HOME`` (default ``~/.rollcall``).
+PostgreSQL under ``ROLLCALL_HOME``.
+
+The default home is ``~/.rollcall``; for root it is ``/var/lib/rollcall`` (the embedded server
+runs as the system user ``embedded_postgres``, which cannot reach a private ``/root``), unless
+``/root/.rollcall`` already holds an embedded database of an earlier rollcall.
 """
 
 from __future__ import annotations
@@ -16,13 +20,19 @@ ENV_PREFIX = "ROLLCALL_"
 ENV_HOME = "ROLLCALL_HOME"
 ENV_DATABASE_URL = "ROLLCALL_DATABASE_URL"
 ENV_CONFIG = "ROLLCALL_CONFIG"
+ROOT_HOME = Path("/var/lib/rollcall")
 
 _PASSWORD_RE = re.compile(r"(?P<head>[a-z0-9+.-]+://[^:/@?#]*:)(?P<pw>[^@/?#]*)(?P<at>@)", re.I)
 
 
 def rollcall_home(override: str | Path | None = None) -> Path:
     raw = override or os.environ.get(ENV_HOME)
-    return Path(raw).expanduser() if raw else Path.home() / ".rollcall"
+    if raw:
+        return Path(raw).expanduser()
+    home = Path.home() / ".rollcall"
+    if os.geteuid() == 0 and not (home / "postgres" / "data").is_dir():
+        return ROOT_HOME
+    return home
 
 
 def mask_url(url: str) -> str:

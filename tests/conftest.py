@@ -121,8 +121,11 @@ class PgServer:
 
 
 def short_tmpdir(prefix: str) -> Path:
-    # Unix socket paths are limited to ~108 bytes: keep state directories short.
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    # Unix socket paths are limited to ~108 bytes: keep state directories short. Mode 0711: as
+    # root, the embedded PostgreSQL's user (embedded_postgres) must pass through a home.
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    d.chmod(0o711)
+    return d
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ from rollcall.orchestrator.buffer.rollout import RolloutBuffer
 from rollcall.orchestrator.buffer.trainer import TrainerBuffer
 from rollcall.orchestrator.config import BufferConfig
 from rollcall.orchestrator.db import migrate
-from rollcall.orchestrator.db.embedded import EmbeddedPostgres
+from rollcall.orchestrator.db.embedded import MIGRATOR, EmbeddedPostgres
 from rollcall.orchestrator.db.engine import open_database
 from rollcall.orchestrator.domain import TrajectoryPayload
 from rollcall.orchestrator.services.tasks import register_task
@@ -278,13 +278,14 @@ def main() -> None:
         args.batch_groups = 8
 
     home = Path(tempfile.mkdtemp(prefix="rc-bench-", dir="/tmp"))
+    home.chmod(0o711)  # as root, the server's user passes through it
     server = EmbeddedPostgres(home)
     try:
         url = server.ensure_running()
         per_task = (
             args.writers * args.groups_per_writer + 3 * args.claimers * args.claims_per_claimer
         ) // len(TASKS) + 64
-        setup(url, per_task)
+        setup(server.url(role=MIGRATOR), per_task)  # migrations: the migrator's
         print(
             f"# buffer benchmark: {os.cpu_count()} CPUs, embedded PostgreSQL, "
             f"{args.tokens}-token trajectories",

@@ -370,11 +370,12 @@ def load_average() -> list[float]:
 
 def start_database(home: Path) -> str:
     from rollcall.orchestrator.db import migrate
-    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
+    from rollcall.orchestrator.db.embedded import MIGRATOR, EmbeddedPostgres
     from rollcall.orchestrator.db.engine import open_database
 
-    url = EmbeddedPostgres(home).ensure_running()
-    db = open_database(url, verify_schema=False)
+    server = EmbeddedPostgres(home)
+    url = server.ensure_running()
+    db = open_database(server.url(role=MIGRATOR), verify_schema=False)  # migrations
     with db.engine.connect() as conn:
         migrate.upgrade(conn)
         conn.commit()
@@ -496,7 +497,10 @@ def main() -> None:
         steps = {"async": 4, "sync": 2}
         args.dry = min(args.dry, 60)
     parallel = not args.sequential_groups
-    home = args.home or Path(tempfile.mkdtemp(prefix="rc-bench-", dir="/tmp"))
+    home = args.home
+    if home is None:
+        home = Path(tempfile.mkdtemp(prefix="rc-bench-", dir="/tmp"))
+        home.chmod(0o711)  # as root, the embedded server's user passes through it
     rayauth.configure_local()  # token authentication, as a job's local Ray
     try:
         url = start_database(home)

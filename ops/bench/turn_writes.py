@@ -51,7 +51,7 @@ import sqlalchemy as sa
 from rollcall.orchestrator.buffer.rollout import RolloutBuffer
 from rollcall.orchestrator.config import BufferConfig
 from rollcall.orchestrator.db import migrate
-from rollcall.orchestrator.db.embedded import EmbeddedPostgres
+from rollcall.orchestrator.db.embedded import MIGRATOR, EmbeddedPostgres
 from rollcall.orchestrator.db.engine import open_database
 from rollcall.orchestrator.domain import JOURNAL, JOURNAL_STORED, TrajectoryPayload
 from rollcall.orchestrator.services.tasks import register_task
@@ -308,12 +308,13 @@ def main() -> None:
     if args.agent_only:
         args.turns, args.tokens = [], []
     home = Path(tempfile.mkdtemp(prefix="rc-bench-", dir="/tmp"))
+    home.chmod(0o711)  # as root, the server's user passes through it
     server = EmbeddedPostgres(home)
     results = []
     agent: list[dict[str, Any]] = []
     try:
         url = server.ensure_running()
-        db = open_database(url, verify_schema=False)
+        db = open_database(server.url(role=MIGRATOR), verify_schema=False)  # migrations
         with db.engine.connect() as conn:
             migrate.upgrade(conn)
             conn.commit()

@@ -75,7 +75,10 @@ def _root(
         typer.Option(
             "--home",
             envvar="ROLLCALL_HOME",
-            help="State directory (embedded PostgreSQL, runs). Default: ~/.rollcall.",
+            help=(
+                "State directory (embedded PostgreSQL, runs). Default: ~/.rollcall "
+                "(root: /var/lib/rollcall)."
+            ),
             show_default=False,
         ),
     ] = None,

@@ -28,7 +28,7 @@ def upgrade(ctx: typer.Context) -> None:
 
     db = open_db(ctx, verify_schema=False)
     try:
-        with db.engine.connect() as conn:
+        with db.migration_connection() as conn:
             before = migrate.current_revision(conn)
             conn.commit()
             migrate.upgrade(conn)

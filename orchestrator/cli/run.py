@@ -113,7 +113,7 @@ def prepare_schema(db: Database, out: Console, *, upgrade: bool) -> None:
     from rollcall.orchestrator.db import migrate
 
     if upgrade:
-        with db.engine.connect() as conn:
+        with db.migration_connection() as conn:
             was = migrate.upgrade_if_behind(conn)
             conn.commit()
         if was is not None:

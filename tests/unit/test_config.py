@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import yaml
 
+from rollcall.orchestrator import settings
 from rollcall.orchestrator.config import RollcallConfig, apply_overrides, load_config
 from rollcall.orchestrator.errors import UserError
-from rollcall.orchestrator.settings import mask_url, resolve_database
+from rollcall.orchestrator.settings import mask_url, resolve_database, rollcall_home
 from rollcall.tasks import registry
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -95,6 +96,23 @@ def test_database_resolution_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     monkeypatch.setenv("ROLLCALL_DATABASE_URL", "postgresql://env/db")
     assert resolve_database(config_url="postgresql://c/db").url == "postgresql://env/db"
     assert resolve_database("postgresql://x/db", "postgresql://c/db").url == "postgresql://x/db"
+
+
+@pytest.mark.parametrize("euid", [0, 1000])
+def test_default_home_is_var_lib_for_root_unless_an_old_database_is_in_home(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, euid: int
+) -> None:
+    """Root's embedded PostgreSQL runs as another user, which must not need a way into a
+    private /root: root's default home is /var/lib/rollcall, except where an earlier rollcall
+    left its database in ~/.rollcall. A normal user's is ~/.rollcall."""
+    monkeypatch.delenv("ROLLCALL_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(settings.os, "geteuid", lambda: euid)
+    mine = tmp_path / ".rollcall"
+    assert rollcall_home() == (settings.ROOT_HOME if euid == 0 else mine)
+    (mine / "postgres" / "data").mkdir(parents=True)
+    assert rollcall_home() == mine
+    assert rollcall_home("/elsewhere") == Path("/elsewhere")
 
 
 def test_engine_is_chosen_by_kind_and_vllm_fails_clearly_without_vllm(tmp_path: Path) -> None:
