@@ -75,7 +75,7 @@ working directories). They import one another relatively and nothing of rollcall
 from __future__ import annotations
 
 from .keeper import KILL_WAIT_S, START_TIMEOUT_S, CallResult, Sandbox
-from .linux import CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER
+from .linux import CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER
 from .namespaces import TOOL_UID_BASE
 from .paths import SCRATCH, Layout, Limits, layout
 from .paths import _under as _under  # (tests)
@@ -83,6 +83,7 @@ from .protections import Protections, probe, probe_here
 from .server import OUTPUT_BYTES, WORKDIR_PREFIX, scrub_environment, sweep
 
 __all__ = [
+    "CLONE_NEWIPC",
     "CLONE_NEWNET",
     "CLONE_NEWNS",
     "CLONE_NEWPID",

@@ -16,6 +16,7 @@ from typing import Any
 
 from .linux import (
     _FLAG_NAMES,
+    CLONE_NEWIPC,
     CLONE_NEWNET,
     CLONE_NEWNS,
     CLONE_NEWPID,
@@ -59,6 +60,10 @@ class Protections:
         return bool(self.flags & CLONE_NEWNS)
 
     @property
+    def ipc(self) -> bool:
+        return bool(self.flags & CLONE_NEWIPC)
+
+    @property
     def processes(self) -> str:
         """How RLIMIT_NPROC holds: "per call", "approximate" or "not" (root's processes)."""
         if self.root:
@@ -88,6 +93,13 @@ class Protections:
             "a pid namespace of the call's own"
             if self.pids
             else "no pid namespace (a process a tool starts in a new session outlives the call)"
+        )
+        parts.append(
+            "an IPC namespace of the call's own (its SysV shared memory, semaphores and message "
+            "queues, and POSIX message queues, die with it)"
+            if self.ipc
+            else "no IPC namespace (SysV shared memory a tool makes outlives the call and other "
+            "calls may read it)"
         )
         if self.mounts:
             parts.append(f"hidden: {', '.join(self.hidden) or 'nothing'}")
@@ -175,6 +187,8 @@ def probe_here(lay: Layout) -> Protections:
         CLONE_NEWNET | CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWNS | CLONE_NEWPID, CLONE_NEWPID,
         CLONE_NEWNS,
     ]  # fmt: skip
+    # each with an IPC namespace first (a kernel without CONFIG_IPC_NS: without)
+    subsets = [f for s in subsets for f in (s | CLONE_NEWIPC, s)]
     first_error = ""
     net_error = ""
     for mode in modes:

@@ -1,0 +1,115 @@
+"""The tool sandbox's kernel-side protections (issue #58): an IPC namespace per call (SysV shared
+memory a call makes dies with it), a seccomp filter (the usual container deny-list; Python's
+threads, subprocesses and forks still work), and a cgroup per call (memory across the call's
+processes, its process count; removed after the call). Through ``ToolRunner.call_function``
+with functions of this module, each run in a real sandboxed call."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollcall.orchestrator.config import ToolSandboxConfig
+from rollcall.workers.episode import sandbox
+from rollcall.workers.episode.tools import ToolRunner
+
+PROTECTIONS = sandbox.probe()
+
+IPC_CREAT = 0o1000
+IPC_RMID = 0
+
+
+def _requires(ok: bool, why: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Fails (never skips) without the protection: this machine must give it."""
+
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            assert ok, why
+            return fn(*args, **kwargs)
+
+        return checked
+
+    return mark
+
+
+needs_ipcns = _requires(PROTECTIONS.ipc, f"no IPC namespace here: {PROTECTIONS.problems}")
+
+
+@pytest.fixture(scope="module")
+def runner() -> Any:
+    r = ToolRunner(timeout_s=30, sandbox=ToolSandboxConfig(processes=32, memory_mb=1024))
+    yield r
+    r.close()
+
+
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    libc.shmdt.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+def _host_shm_keys() -> set[int]:
+    lines = Path("/proc/sysvipc/shm").read_text().splitlines()[1:]
+    return {int(line.split()[0]) for line in lines}
+
+
+# -- run in the calls ----------------------------------------------------------------------
+
+
+def shm_leave(key: int, text: str) -> int:
+    """A SysV segment of 4 MiB under ``key``, with ``text`` in it, left attached to nobody."""
+    libc = _libc()
+    shmid = libc.shmget(key, 4 << 20, IPC_CREAT | 0o666)
+    if shmid < 0:
+        raise OSError(ctypes.get_errno(), "shmget")
+    addr = libc.shmat(shmid, None, 0)
+    ctypes.memmove(addr, text.encode(), len(text))
+    libc.shmdt(ctypes.c_void_p(addr))
+    return int(shmid)
+
+
+def shm_find(key: int) -> str:
+    """What a segment under ``key`` holds, or the errno of looking it up."""
+    libc = _libc()
+    shmid = libc.shmget(key, 0, 0)
+    if shmid < 0:
+        return errno.errorcode[ctypes.get_errno()]
+    addr = libc.shmat(shmid, None, 0o10000)  # SHM_RDONLY
+    return ctypes.string_at(addr, 64).split(b"\0")[0].decode()
+
+
+# -- the tests -----------------------------------------------------------------------------
+
+
+@needs_ipcns
+def test_sysv_shared_memory_dies_with_its_call(runner: ToolRunner) -> None:
+    key = random.randrange(1 << 20, 1 << 30)
+    try:
+        ok, shmid = runner.call_function(shm_leave, (key, "the first call's"), {}, timeout_s=30)
+        assert ok, shmid
+        assert key not in _host_shm_keys()  # not the host's
+        ok, found = runner.call_function(shm_find, (key,), {}, timeout_s=30)
+        assert (ok, found) == (True, "ENOENT")  # nor the next call's
+    finally:  # (the old code left it on the host)
+        libc = _libc()
+        shmid = libc.shmget(key, 0, 0)
+        if shmid >= 0:
+            libc.shmctl(shmid, IPC_RMID, None)
+
+
+def test_the_node_says_what_the_kernel_gives(runner: ToolRunner) -> None:
+    line = PROTECTIONS.describe(sandbox.Limits())
+    if PROTECTIONS.ipc:
+        assert "an IPC namespace of the call's own" in line
+    assert os.uname().sysname == "Linux"
