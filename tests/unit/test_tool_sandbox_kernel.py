@@ -42,6 +42,7 @@ def _requires(ok: bool, why: str) -> Callable[[Callable[..., Any]], Callable[...
 
 
 needs_ipcns = _requires(PROTECTIONS.ipc, f"no IPC namespace here: {PROTECTIONS.problems}")
+needs_seccomp = _requires(PROTECTIONS.seccomp, f"no seccomp filter here: {PROTECTIONS.problems}")
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,50 @@ def shm_find(key: int) -> str:
     return ctypes.string_at(addr, 64).split(b"\0")[0].decode()
 
 
+def denied() -> dict[str, str]:
+    """What the deny-list's calls answer in a call: each one's errno ("ok" if it worked)."""
+    import socket
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def rc(value: int) -> str:
+        return "ok" if value >= 0 else errno.errorcode[ctypes.get_errno()]
+
+    out = {
+        "unshare(CLONE_NEWUSER)": rc(libc.unshare(0x10000000)),
+        "unshare(CLONE_NEWNS)": rc(libc.unshare(0x00020000)),
+        "io_uring_setup": rc(libc.syscall(425, 4, ctypes.create_string_buffer(120))),
+        "keyctl": rc(libc.syscall(250, 0, -3, 0, 0, 0)),  # KEYCTL_GET_KEYRING_ID, session
+        "bpf": rc(libc.syscall(321, 0, ctypes.create_string_buffer(128), 128)),
+        "ptrace(PTRACE_TRACEME)": rc(libc.ptrace(0, 0, None, None)),
+        "clone3": rc(libc.syscall(435, ctypes.create_string_buffer(88), 88)),
+    }
+    try:
+        socket.socket(40, socket.SOCK_STREAM).close()  # AF_VSOCK
+        out["socket(AF_VSOCK)"] = "ok"
+    except OSError as e:
+        out["socket(AF_VSOCK)"] = errno.errorcode[e.errno or 0]
+    return out
+
+
+def python_works() -> dict[str, Any]:
+    """A thread, a subprocess, a fork: each one's result."""
+    import subprocess
+    import threading
+
+    ran: list[str] = []
+    t = threading.Thread(target=lambda: ran.append("thread"))
+    t.start()
+    t.join()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    forked = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    true = subprocess.run(["/bin/true"], check=False).returncode
+    echo = subprocess.run(["sh", "-c", "echo hi"], capture_output=True, text=True).stdout
+    return {"thread": ran, "fork": forked, "true": true, "echo": echo}
+
+
 # -- the tests -----------------------------------------------------------------------------
 
 
@@ -108,8 +153,23 @@ def test_sysv_shared_memory_dies_with_its_call(runner: ToolRunner) -> None:
             libc.shmctl(shmid, IPC_RMID, None)
 
 
+@needs_seccomp
+def test_the_deny_list_is_denied_in_a_call_and_python_still_works(runner: ToolRunner) -> None:
+    ok, seen = runner.call_function(denied, (), {}, timeout_s=30)
+    assert ok, seen
+    assert seen == {
+        "unshare(CLONE_NEWUSER)": "EPERM", "unshare(CLONE_NEWNS)": "EPERM",
+        "io_uring_setup": "EPERM", "keyctl": "EPERM", "bpf": "EPERM",
+        "ptrace(PTRACE_TRACEME)": "EPERM", "clone3": "ENOSYS", "socket(AF_VSOCK)": "EPERM",
+    }  # fmt: skip
+    ok, seen = runner.call_function(python_works, (), {}, timeout_s=30)
+    assert (ok, seen) == (True, {"thread": ["thread"], "fork": 7, "true": 0, "echo": "hi\n"})
+
+
 def test_the_node_says_what_the_kernel_gives(runner: ToolRunner) -> None:
     line = PROTECTIONS.describe(sandbox.Limits())
     if PROTECTIONS.ipc:
         assert "an IPC namespace of the call's own" in line
+    if PROTECTIONS.seccomp:
+        assert "a seccomp filter (no new namespaces" in line
     assert os.uname().sysname == "Linux"

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import seccomp
 from .linux import (
     MS_NODEV,
     MS_NOEXEC,
@@ -224,6 +225,8 @@ class Sandbox:
             # covers the node's files), none to gain (setuid files)
             _drop_capabilities()
             _prctl(PR_SET_NO_NEW_PRIVS, 1)
+            if self.plan.seccomp:  # (after no_new_privs: unprivileged, it needs it)
+                seccomp.install()
             if select.select([4], [], [], 0)[0]:  # the keeper died before PDEATHSIG was set
                 return
             os.close(4)

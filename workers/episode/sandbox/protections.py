@@ -10,10 +10,11 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from . import seccomp
 from .linux import (
     _FLAG_NAMES,
     CLONE_NEWIPC,
@@ -46,6 +47,8 @@ class Protections:
     problems: tuple[str, ...] = ()  # what is missing and why, one sentence each
     network_error: str = ""  # why there is no network namespace ("" if there is one)
     scratch: tuple[str, ...] = ()  # a fresh tmpfs of the call's own on each
+    seccomp: bool = False  # the tool process gets ``seccomp``'s filter
+    seccomp_error: str = ""  # why not ("" if it does)
 
     @property
     def network(self) -> bool:
@@ -117,6 +120,12 @@ class Protections:
                 "no pid and mount namespaces of the call's own: tools see the node's "
                 "processes in /proc (their command lines, and what their user may read of them)"
             )
+        parts.append(
+            "a seccomp filter (no new namespaces, io_uring, bpf, ptrace, keyring, mounts, "
+            "kernel modules, vsock, clock changes and the like: EPERM)"
+            if self.seccomp
+            else f"no seccomp filter ({self.seccomp_error})"
+        )
         if self.root:
             parts.append(
                 f"runs as a uid of its own ({TOOL_UID_BASE} + its pid)"
@@ -178,7 +187,14 @@ def _protections(data: dict[str, Any]) -> Protections:
 
 def probe_here(lay: Layout) -> Protections:
     """``probe``'s work, in this process (which must be single-threaded): each mode and set of
-    namespaces tried in a forked child, the first that works kept."""
+    namespaces tried in a forked child, the first that works kept; then the seccomp filter."""
+    found = _namespaces_here(lay)
+    filter_error = seccomp.try_here()
+    problems = found.problems + ((f"no seccomp filter ({filter_error})",) if filter_error else ())
+    return replace(found, problems=problems, seccomp=not filter_error, seccomp_error=filter_error)
+
+
+def _namespaces_here(lay: Layout) -> Protections:
     root = os.geteuid() == 0
     reachable = _reachable((*lay.needed, lay.workdirs))
     modes = ["root", "userns"] if root else ["userns"]
