@@ -43,6 +43,9 @@ def _requires(ok: bool, why: str) -> Callable[[Callable[..., Any]], Callable[...
 
 needs_ipcns = _requires(PROTECTIONS.ipc, f"no IPC namespace here: {PROTECTIONS.problems}")
 needs_seccomp = _requires(PROTECTIONS.seccomp, f"no seccomp filter here: {PROTECTIONS.problems}")
+needs_cgroup = _requires(
+    PROTECTIONS.cgroup != "none", f"no cgroup per call here: {PROTECTIONS.problems}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +137,52 @@ def python_works() -> dict[str, Any]:
     return {"thread": ran, "fork": forked, "true": true, "echo": echo}
 
 
+def hog(mib: int, others: int, each_mib: int) -> list[int]:
+    """Touch ``mib`` MiB here, then start ``others`` fresh interpreters that touch ``each_mib``
+    MiB each and hold it a while: their exit codes."""
+    import subprocess
+    import sys
+
+    held = b"\1" * (mib << 20)
+    code = f"import time; b = b'\\1' * ({each_mib} << 20); time.sleep(3)"
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(others)]
+    codes = [p.wait() for p in procs]
+    return [*codes, len(held) >> 20]
+
+
+def fork_loop() -> dict[str, Any]:
+    """Fork until refused: how many; and the call's cgroup (its directories, pids.max and the
+    memory limit as the tool sees them)."""
+    import time
+
+    own = dict(
+        line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text().splitlines()
+    )
+    dirs = {c: f"/sys/fs/cgroup/{c}{own.get(c, '/')}" for c in ("memory", "pids")}
+
+    def read(path: str) -> str:
+        try:
+            return Path(path).read_text().strip()
+        except OSError as e:
+            return errno.errorcode[e.errno or 0]
+
+    n, refused = 0, ""
+    while n < 10_000:
+        try:
+            if os.fork() == 0:
+                time.sleep(30)
+                os._exit(0)
+        except OSError as e:
+            refused = errno.errorcode[e.errno or 0]
+            break
+        n += 1
+    return {
+        "forked": n, "refused": refused, "dirs": dirs,
+        "pids.max": read(dirs["pids"] + "/pids.max"),
+        "memory": read(dirs["memory"] + "/memory.limit_in_bytes"),
+    }  # fmt: skip
+
+
 # -- the tests -----------------------------------------------------------------------------
 
 
@@ -166,10 +215,40 @@ def test_the_deny_list_is_denied_in_a_call_and_python_still_works(runner: ToolRu
     assert (ok, seen) == (True, {"thread": ["thread"], "fork": 7, "true": 0, "echo": "hi\n"})
 
 
+@needs_cgroup
+def test_the_calls_processes_share_its_memory_limit_and_the_node_is_unharmed(
+    runner: ToolRunner,
+) -> None:
+    # six processes of 700 and 600 MiB under 1024 MiB: the old code let them reach 3.7 GB
+    ok, why = runner.call_function(hog, (700, 5, 600), {}, timeout_s=30)
+    assert (ok, why) == (
+        False, "the tool's processes used more than their 1024 MiB of memory"
+    ), why  # fmt: skip
+    ok, codes = runner.call_function(hog, (100, 2, 100), {}, timeout_s=30)  # the next works
+    assert (ok, codes) == (True, [0, 0, 100])
+
+
+@needs_cgroup
+def test_a_fork_loop_stops_at_the_calls_process_limit_and_its_group_goes(
+    runner: ToolRunner,
+) -> None:
+    ok, seen = runner.call_function(fork_loop, (), {}, timeout_s=30)
+    assert ok, seen
+    assert (seen["pids.max"], seen["memory"]) == ("32", str(1024 << 20)), seen
+    assert seen["refused"] == "EAGAIN" and seen["forked"] < 32, seen
+    for d in seen["dirs"].values():  # its group is gone (and so its processes)
+        assert "rollcall-tools" in d and not Path(d).exists(), d
+
+
 def test_the_node_says_what_the_kernel_gives(runner: ToolRunner) -> None:
     line = PROTECTIONS.describe(sandbox.Limits())
     if PROTECTIONS.ipc:
         assert "an IPC namespace of the call's own" in line
     if PROTECTIONS.seccomp:
         assert "a seccomp filter (no new namespaces" in line
+    if PROTECTIONS.cgroup != "none":
+        assert (
+            f"a cgroup of the call's own ({PROTECTIONS.cgroup}: 1024 MiB of memory across its "
+            "processes, 64 processes" in line
+        ), line
     assert os.uname().sysname == "Linux"

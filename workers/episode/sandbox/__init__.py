@@ -74,6 +74,7 @@ working directories). They import one another relatively and nothing of rollcall
 
 from __future__ import annotations
 
+from .cgroups import sweep as sweep_groups
 from .keeper import KILL_WAIT_S, START_TIMEOUT_S, CallResult, Sandbox
 from .linux import CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER
 from .namespaces import TOOL_UID_BASE
@@ -104,4 +105,5 @@ __all__ = [
     "probe_here",
     "scrub_environment",
     "sweep",
+    "sweep_groups",
 ]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import seccomp
+from . import cgroups, seccomp
 from .linux import (
     MS_NODEV,
     MS_NOEXEC,
@@ -117,6 +117,8 @@ class Sandbox:
                     os.kill(keeper, signal.SIGKILL)  # (a keeper stuck before its setsid)
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(keeper, 0)
+                if self.plan.cgroup != "none":
+                    cgroups.remove(self.plan, cgroups.call_name(os.getpid(), keeper))
             if output is not None:
                 _forward_output(output)
             if workdir:
@@ -152,11 +154,16 @@ class Sandbox:
             if self.plan.processes == "approximate":
                 nproc += _processes_of(os.getuid())
             mount_proc = self.plan.mode != "none" and self.plan.mounts and self.plan.pids
+            group = []  # the call's cgroup (its directories): the tool process joins it
+            if self.plan.cgroup != "none":
+                group = cgroups.create(
+                    self.plan, cgroups.call_name(server, os.getpid()), self.limits
+                )
             alive_r, alive_w = os.pipe()  # closed when the keeper dies: the tool then ends
             tool = os.fork()
             if tool == 0:
                 os.close(alive_w)
-                self._tool(work, uid, nproc, workdir, out_fd, ans_w, mount_proc, alive_r)
+                self._tool(work, uid, nproc, workdir, out_fd, ans_w, mount_proc, alive_r, group)
             os.close(alive_r)
             os.close(ans_w)
             _write_all(ctl_w, json.dumps({"pid": tool}).encode() + b"\n")
@@ -181,10 +188,12 @@ class Sandbox:
         ans_w: int,
         mount_proc: bool,
         alive_r: int,
+        group: list[str],
     ) -> None:  # pragma: no cover - runs in a child
         code = _EXIT_FAILED
         try:
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            cgroups.join(group)  # first: what it allocates and starts counts there
             if mount_proc:  # this pid namespace's processes only; else the call fails
                 _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             # out of the way first (any of them may be 0 to 4)
@@ -299,14 +308,17 @@ class Sandbox:
             return CallResult(answer=answer.data, cpu_s=cpu)
         if timed_out:
             return CallResult(failure="timeout", cpu_s=cpu)
-        return self._death(report, cpu)
+        return self._death(report, cpu, keeper)
 
-    def _death(self, report: dict[str, Any], cpu: float) -> CallResult:
+    def _death(self, report: dict[str, Any], cpu: float, keeper: int) -> CallResult:
         if "status" not in report:
             return CallResult(failure="crashed", detail="its process was lost", cpu_s=cpu)
         status = int(report["status"])
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
+            group = cgroups.call_name(os.getpid(), keeper)
+            if sig == signal.SIGKILL and cgroups.oom_killed(self.plan, group):
+                return CallResult(failure="memory", detail=self.limits.memory_message(), cpu_s=cpu)
             # RLIMIT_CPU (soft = hard: SIGKILL). A SIGKILL the server did not send: in a pid
             # namespace the tool process is its init, which no process of the namespace can
             # kill (itself included), so it is the kernel's: the CPU limit (the OOM killer

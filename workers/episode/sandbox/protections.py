@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import seccomp
+from . import cgroups, seccomp
 from .linux import (
     _FLAG_NAMES,
     CLONE_NEWIPC,
@@ -49,6 +49,10 @@ class Protections:
     scratch: tuple[str, ...] = ()  # a fresh tmpfs of the call's own on each
     seccomp: bool = False  # the tool process gets ``seccomp``'s filter
     seccomp_error: str = ""  # why not ("" if it does)
+    cgroup: str = "none"  # a cgroup per call: "v1", "v2" or "none" (``cgroups``)
+    cgroup_parents: tuple[str, ...] = ()  # where the calls' groups are made, per hierarchy
+    cgroup_controllers: tuple[str, ...] = ()  # memory, pids, and io (v2) or blkio (v1)
+    cgroup_error: str = ""  # why there is none ("" if there is)
 
     @property
     def network(self) -> bool:
@@ -126,6 +130,17 @@ class Protections:
             if self.seccomp
             else f"no seccomp filter ({self.seccomp_error})"
         )
+        if self.cgroup != "none":
+            io = {"io": ", I/O weight", "blkio": ", I/O weight where the scheduler has one"}
+            extra = "".join(io.get(c, "") for c in self.cgroup_controllers)
+            parts.append(
+                f"a cgroup of the call's own ({self.cgroup}: {limits.memory_mb} MiB of memory "
+                f"across its processes, {limits.processes} processes{extra})"
+            )
+        else:
+            parts.append(
+                f"no cgroup per call ({self.cgroup_error}): memory is limited per process only"
+            )
         if self.root:
             parts.append(
                 f"runs as a uid of its own ({TOOL_UID_BASE} + its pid)"
@@ -180,18 +195,24 @@ def _probe_in_subprocess(lay: Layout) -> Protections:
 
 def _protections(data: dict[str, Any]) -> Protections:
     data = dict(data)
-    for k in ("hidden", "problems", "scratch"):
+    for k in ("hidden", "problems", "scratch", "cgroup_parents", "cgroup_controllers"):
         data[k] = tuple(data.get(k, ()))
     return Protections(**data)
 
 
 def probe_here(lay: Layout) -> Protections:
     """``probe``'s work, in this process (which must be single-threaded): each mode and set of
-    namespaces tried in a forked child, the first that works kept; then the seccomp filter."""
+    namespaces tried in a forked child, the first that works kept; then the seccomp filter and
+    the cgroup per call."""
     found = _namespaces_here(lay)
     filter_error = seccomp.try_here()
     problems = found.problems + ((f"no seccomp filter ({filter_error})",) if filter_error else ())
-    return replace(found, problems=problems, seccomp=not filter_error, seccomp_error=filter_error)
+    groups = cgroups.probe_here(found.root)
+    if groups["cgroup_error"]:
+        problems += (f"no cgroup per call ({groups['cgroup_error']})",)
+    return replace(
+        found, problems=problems, seccomp=not filter_error, seccomp_error=filter_error, **groups
+    )
 
 
 def _namespaces_here(lay: Layout) -> Protections:
