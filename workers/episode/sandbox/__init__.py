@@ -22,7 +22,8 @@ that the probe found possible fails):
   interpreter needs from under them (``sys.prefix``, ``sys.path`` but the cwd, never a path at
   or above a hidden one: ``layout``), and replaces ``/tmp``, ``/var/tmp``, ``/dev/shm`` and
   ``/run/user`` with a fresh tmpfs of ``file_mb`` each (the node's sockets there out of reach;
-  the call's working directory bound in). As root the namespaces are
+  the call's working directory bound in); an IPC namespace (SysV shared memory and message
+  queues die with the call). As root the namespaces are
   made directly; otherwise in a user namespace of the call's own, with the node's uid and gid
   mapped to themselves (``unshare -Urn`` without the root mapping);
 - the process limit (RLIMIT_NPROC) counts the processes of a user, and root's are not counted
@@ -34,6 +35,11 @@ that the probe found possible fails):
   count per user namespace; the user's processes on the whole host also stay under the limit
   the node had when the namespace was made); without a user namespace it would count every
   process of the user on the host, so it is set to that count plus ``processes`` (approximate);
+- a cgroup of the call's own (``cgroups``; as root, v2 or v1): made by the keeper, joined by the
+  tool process first: ``memory_mb`` across the call's processes (an OOM kill of the tool
+  process there is the call's ``memory`` failure), ``processes`` of them, a low I/O weight
+  where the kernel has one; removed by the server after the call;
+- a seccomp filter (``seccomp``), installed in the tool process right after ``no_new_privs``;
 - the tool process: a ``/proc`` of its pid namespace (a failure fails the call; ``probe`` tries
   it), every capability dropped and ``no_new_privs`` after its mounts (and, as root, its uid
   change: then its parent-death signal set again), RLIMIT_CPU (``cpu_s``, soft = hard: SIGKILL
@@ -51,23 +57,25 @@ The tool process answers through a pipe (length-prefixed bytes: the tool server'
 pickle); the keeper reports the tool process's pid, then its exit status and CPU time. The
 server waits ``timeout_s`` for the answer, then kills the tool process (and with it its pid
 namespace) and the keeper's process group. A call that ends without an answer is an
-``CallResult`` with a failure: ``timeout``, ``cpu`` (killed with its CPU time spent), ``file``
-(killed by SIGXFSZ), ``crashed`` (any other death) or ``setup``; never the server's failure.
+``CallResult`` with a failure: ``timeout``, ``cpu`` (killed with its CPU time spent), ``memory``
+(OOM-killed in its cgroup), ``file`` (killed by SIGXFSZ), ``crashed`` (any other death) or
+``setup``; never the server's failure.
 
 The answer frame is at most ``answer_bytes`` (longer: the call crashed, never read).
 
 What this does not do: limit the total disk a call writes (RLIMIT_FSIZE bounds each file; the
 working directory is removed after the call, or by the next server if its own was killed; files
-written elsewhere that the tool's user may write stay), limit memory other than per process (a
-call's processes have ``memory_mb`` each), limit CPU other than per process within
-``timeout_s``, or hide files any user may read (see ``Protections.describe``). Linux only; pure
-standard library, so that ``probe`` can run this package in a bare interpreter
+written elsewhere that the tool's user may write stay), limit memory other than per process
+without a cgroup (then a call's processes have ``memory_mb`` each), limit CPU other than per
+process within ``timeout_s``, or hide files any user may read (see ``Protections.describe``).
+Linux only; pure standard library, so that ``probe`` can run this package in a bare interpreter
 (``probe_main.py``).
 
 The modules: ``linux`` (the kernel's interface: ``unshare``, ``mount``, ``prctl``, ``capset``),
 ``paths`` (``Limits``; ``layout``: what a call's mount namespace covers and binds back),
 ``namespaces`` (a call's namespaces and mounts, made in its keeper), ``protections``
-(``probe``: what the kernel allows here), ``keeper`` (``Sandbox``: a call, its keeper, its tool
+(``probe``: what the kernel allows here), ``seccomp`` (the tool process's system-call
+filter), ``cgroups`` (a call's cgroup), ``keeper`` (``Sandbox``: a call, its keeper, its tool
 process and the server's side), ``server`` (the tool server's environment and the calls'
 working directories). They import one another relatively and nothing of rollcall's.
 """
