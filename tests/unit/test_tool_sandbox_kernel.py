@@ -240,6 +240,32 @@ def test_a_fork_loop_stops_at_the_calls_process_limit_and_its_group_goes(
         assert "rollcall-tools" in d and not Path(d).exists(), d
 
 
+@needs_cgroup
+def test_the_groups_a_dead_server_left_are_swept_with_their_processes() -> None:
+    import subprocess
+
+    from rollcall.workers.episode.sandbox import cgroups
+
+    gone = subprocess.Popen(["true"])  # a server pid no longer running
+    gone.wait()
+    name = cgroups.call_name(gone.pid, 1)
+    dirs = cgroups.create(PROTECTIONS, name, sandbox.Limits())
+    left = subprocess.Popen(["sleep", "60"])  # a process the dead server's call left there
+    try:
+        for d in dirs:
+            Path(d, "cgroup.procs").write_text(str(left.pid))
+        mine = cgroups.call_name(os.getpid(), 2)  # a running server's: kept
+        kept = cgroups.create(PROTECTIONS, mine, sandbox.Limits())
+        assert sorted(sandbox.sweep_groups(PROTECTIONS)) == sorted(dirs)
+        assert left.wait(timeout=10) == -9
+        assert not any(Path(d).exists() for d in dirs)
+        assert all(Path(d).exists() for d in kept)
+    finally:
+        left.kill()
+        cgroups.remove(PROTECTIONS, name)
+        cgroups.remove(PROTECTIONS, mine)
+
+
 def test_the_node_says_what_the_kernel_gives(runner: ToolRunner) -> None:
     line = PROTECTIONS.describe(sandbox.Limits())
     if PROTECTIONS.ipc:
