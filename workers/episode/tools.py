@@ -253,6 +253,7 @@ def _serve_sandbox(
     lay = sandbox.layout()  # where the node's secrets are: read before the environment goes
     sandbox.scrub_environment()
     sandbox.sweep(lay.workdirs)  # what servers killed during a call left
+    sandbox.sweep_groups(plan)  # (and their cgroups)
     if limits.memory_mb > 0:
         limit = limits.memory_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -466,10 +467,10 @@ class ToolRunner:
         if answer[0] != "failed":
             return answer
         failure, detail = [*answer, "", ""][1:3]
-        self.restarts += failure in ("timeout", "crashed", "cpu", "file")
+        self.restarts += failure in ("timeout", "crashed", "cpu", "file", "memory")
         if failure == "timeout":
             return f"the tool {name!r} did not answer within {timeout_s:g} s"
-        if failure in ("cpu", "file"):
+        if failure in ("cpu", "file", "memory"):
             return str(detail)
         if failure == "setup":
             return f"the tool {name!r} could not be started: the sandbox failed ({detail})"

@@ -24,7 +24,8 @@ step that the probe found possible fails):
   interpreter needs from under them (``sys.prefix``, ``sys.path`` but the cwd, never a path at
   or above a hidden one: ``layout``), and replaces ``/tmp``, ``/var/tmp``, ``/dev/shm`` and
   ``/run/user`` with a fresh tmpfs of ``file_mb`` each (the node's sockets there out of reach;
-  the call's working directory bound in). As root the namespaces are
+  the call's working directory bound in); an IPC namespace (SysV shared memory and message
+  queues die with the call). As root the namespaces are
   made directly; otherwise in a user namespace of the call's own, with the node's uid and gid
   mapped to themselves (``unshare -Urn`` without the root mapping);
 - the process limit (RLIMIT_NPROC) counts the processes of a user, and root's are not counted
@@ -36,6 +37,11 @@ step that the probe found possible fails):
   count per user namespace; the user's processes on the whole host also stay under the limit
   the node had when the namespace was made); without a user namespace it would count every
   process of the user on the host, so it is set to that count plus ``processes`` (approximate);
+- a cgroup of the call's own (``cgroups``; as root, v2 or v1): made by the keeper, joined by the
+  tool process first: ``memory_mb`` across the call's processes (an OOM kill of the tool
+  process there is the call's ``memory`` failure), ``processes`` of them, a low I/O weight
+  where the kernel has one; removed once the keeper is reaped (by the zygote);
+- a seccomp filter (``seccomp``), installed in the tool process right after ``no_new_privs``;
 - the tool process: a ``/proc`` of its pid namespace (a failure fails the call; ``probe`` tries
   it), every capability dropped and ``no_new_privs`` after its mounts (and, as root, its uid
   change: then its parent-death signal set again), RLIMIT_CPU (``cpu_s``, soft = hard: SIGKILL
@@ -54,33 +60,36 @@ The tool process answers through a pipe (length-prefixed bytes: the tool server'
 pickle); the keeper reports the tool process's pid, then its exit status and CPU time. The
 server waits ``timeout_s`` for the answer, then kills the tool process (and with it its pid
 namespace) and the keeper's process group. A call that ends without an answer is an
-``CallResult`` with a failure: ``timeout``, ``cpu`` (killed with its CPU time spent), ``file``
-(killed by SIGXFSZ), ``crashed`` (any other death) or ``setup``; never the server's failure.
+``CallResult`` with a failure: ``timeout``, ``cpu`` (killed with its CPU time spent), ``memory``
+(OOM-killed in its cgroup), ``file`` (killed by SIGXFSZ), ``crashed`` (any other death) or
+``setup``; never the server's failure.
 
 The answer frame is at most ``answer_bytes`` (longer: the call crashed, never read).
 
 What this does not do: limit the total disk a call writes (RLIMIT_FSIZE bounds each file; the
 working directory is removed after the call, or by the next server if its own was killed; files
-written elsewhere that the tool's user may write stay), limit memory other than per process (a
-call's processes have ``memory_mb`` each), limit CPU other than per process within
-``timeout_s``, or hide files any user may read (see ``Protections.describe``). Linux only; pure
-standard library, so that ``probe`` can run this package in a bare interpreter
+written elsewhere that the tool's user may write stay), limit memory other than per process
+without a cgroup (then a call's processes have ``memory_mb`` each), limit CPU other than per
+process within ``timeout_s``, or hide files any user may read (see ``Protections.describe``).
+Linux only; pure standard library, so that ``probe`` can run this package in a bare interpreter
 (``probe_main.py``).
 
 The modules: ``linux`` (the kernel's interface: ``unshare``, ``mount``, ``prctl``, ``capset``),
 ``paths`` (``Limits``; ``layout``: what a call's mount namespace covers and binds back),
 ``namespaces`` (a call's namespaces and mounts, made in its keeper), ``protections``
-(``probe``: what the kernel allows here), ``zygote`` (the clean process that forks the spares,
-and the server's side of it), ``keeper`` (``Sandbox``: a call, its keeper, its tool process and
-the server's side), ``server`` (the tool server's environment, the calls' output forwarded to
-its log, escaped, and their working directories). They import one another relatively and
-nothing of rollcall's.
+(``probe``: what the kernel allows here), ``seccomp`` (the tool process's system-call filter),
+``cgroups`` (a call's cgroup), ``zygote`` (the clean process that forks the spares, and the
+server's side of it), ``keeper`` (``Sandbox``: a call, its keeper, its tool process and the
+server's side), ``server`` (the tool server's environment, the calls' output forwarded to its
+log, escaped, and their working directories). They import one another relatively and nothing
+of rollcall's.
 """
 
 from __future__ import annotations
 
+from .cgroups import sweep as sweep_groups
 from .keeper import KILL_WAIT_S, START_TIMEOUT_S, CallResult, Sandbox
-from .linux import CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER
+from .linux import CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER
 from .namespaces import TOOL_UID_BASE
 from .paths import SCRATCH, Layout, Limits, layout
 from .paths import _under as _under  # (tests)
@@ -88,6 +97,7 @@ from .protections import Protections, probe, probe_here
 from .server import OUTPUT_BYTES, WORKDIR_PREFIX, forwarded_output, scrub_environment, sweep
 
 __all__ = [
+    "CLONE_NEWIPC",
     "CLONE_NEWNET",
     "CLONE_NEWNS",
     "CLONE_NEWPID",
@@ -109,4 +119,5 @@ __all__ = [
     "probe_here",
     "scrub_environment",
     "sweep",
+    "sweep_groups",
 ]

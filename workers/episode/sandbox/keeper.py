@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import cgroups, seccomp
 from .linux import (
     MS_NODEV,
     MS_NOEXEC,
@@ -83,7 +84,7 @@ class Sandbox:
     def start(self) -> None:
         if self._zygote is None:
             self.server = os.getpid()
-            self._zygote = Zygote(self._spawn)
+            self._zygote = Zygote(self._spawn, self._reaped)
             self._zygote.start()
 
     @property
@@ -158,6 +159,11 @@ class Sandbox:
             _remove(workdir)
             raise
 
+    def _reaped(self, keeper: int) -> None:  # pragma: no cover - in the zygote
+        """A call's keeper is reaped: its cgroup goes (what is left killed, then rmdir)."""
+        if self.plan.cgroup != "none":
+            cgroups.remove(self.plan, cgroups.call_name(self.server, keeper))
+
     # -- the keeper (a child) and the tool process (its child) --------------------------------
 
     def _keeper(
@@ -189,12 +195,17 @@ class Sandbox:
             if self.plan.processes == "approximate":
                 nproc += _processes_of(os.getuid())
             mount_proc = self.plan.mode != "none" and self.plan.mounts and self.plan.pids
+            group = []  # the call's cgroup (its directories): the tool process joins it
+            if self.plan.cgroup != "none":
+                group = cgroups.create(
+                    self.plan, cgroups.call_name(self.server, os.getpid()), self.limits
+                )
             alive_r, alive_w = os.pipe()  # closed when the keeper dies: the tool then ends
             tool = os.fork()
             if tool == 0:
                 os.close(alive_w)
                 os.close(ctl_w)
-                self._tool(uid, nproc, workdir, out_fd, req_r, ans_w, mount_proc, alive_r)
+                self._tool(uid, nproc, workdir, out_fd, req_r, ans_w, mount_proc, alive_r, group)
             os.close(alive_r)
             os.close(ans_w)
             os.close(req_r)
@@ -220,10 +231,12 @@ class Sandbox:
         ans_w: int,
         mount_proc: bool,
         alive_r: int,
+        group: list[str],
     ) -> None:  # pragma: no cover - runs in a child
         code = _EXIT_FAILED
         try:
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            cgroups.join(group)  # first: what it allocates and starts counts there
             if mount_proc:  # this pid namespace's processes only; else the call fails
                 _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             # out of the way first (any of them may be 0 to 4)
@@ -265,6 +278,8 @@ class Sandbox:
             # covers the node's files), none to gain (setuid files)
             _drop_capabilities()
             _prctl(PR_SET_NO_NEW_PRIVS, 1)
+            if self.plan.seccomp:  # (after no_new_privs: unprivileged, it needs it)
+                seccomp.install()
             if select.select([4], [], [], 0)[0]:  # the keeper died before PDEATHSIG was set
                 return
             os.close(4)
@@ -349,14 +364,17 @@ class Sandbox:
         cpu = float(report.get("cpu", 0.0))
         if timed_out:
             return CallResult(failure="timeout", cpu_s=cpu)
-        return self._death(report, cpu)
+        return self._death(report, cpu, spare.pid)
 
-    def _death(self, report: dict[str, Any], cpu: float) -> CallResult:
+    def _death(self, report: dict[str, Any], cpu: float, keeper: int) -> CallResult:
         if "status" not in report:
             return CallResult(failure="crashed", detail="its process was lost", cpu_s=cpu)
         status = int(report["status"])
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
+            group = cgroups.call_name(self.server, keeper)
+            if sig == signal.SIGKILL and cgroups.oom_killed(self.plan, group):
+                return CallResult(failure="memory", detail=self.limits.memory_message(), cpu_s=cpu)
             # RLIMIT_CPU (soft = hard: SIGKILL). A SIGKILL the server did not send: in a pid
             # namespace the tool process is its init, which no process of the namespace can
             # kill (itself included), so it is the kernel's: the CPU limit (the OOM killer

@@ -48,6 +48,9 @@ class Limits:
     def cpu_message(self) -> str:
         return f"the tool used its {self.cpu_s} s of CPU"
 
+    def memory_message(self) -> str:
+        return f"the tool's processes used more than their {self.memory_mb} MiB of memory"
+
     def file_message(self) -> str:
         return f"the tool wrote past its {self.file_mb} MiB file limit"
 

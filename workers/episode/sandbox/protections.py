@@ -10,12 +10,14 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from . import cgroups, seccomp
 from .linux import (
     _FLAG_NAMES,
+    CLONE_NEWIPC,
     CLONE_NEWNET,
     CLONE_NEWNS,
     CLONE_NEWPID,
@@ -45,6 +47,12 @@ class Protections:
     problems: tuple[str, ...] = ()  # what is missing and why, one sentence each
     network_error: str = ""  # why there is no network namespace ("" if there is one)
     scratch: tuple[str, ...] = ()  # a fresh tmpfs of the call's own on each
+    seccomp: bool = False  # the tool process gets ``seccomp``'s filter
+    seccomp_error: str = ""  # why not ("" if it does)
+    cgroup: str = "none"  # a cgroup per call: "v1", "v2" or "none" (``cgroups``)
+    cgroup_parents: tuple[str, ...] = ()  # where the calls' groups are made, per hierarchy
+    cgroup_controllers: tuple[str, ...] = ()  # memory, pids, and io (v2) or blkio (v1)
+    cgroup_error: str = ""  # why there is none ("" if there is)
 
     @property
     def network(self) -> bool:
@@ -57,6 +65,10 @@ class Protections:
     @property
     def mounts(self) -> bool:
         return bool(self.flags & CLONE_NEWNS)
+
+    @property
+    def ipc(self) -> bool:
+        return bool(self.flags & CLONE_NEWIPC)
 
     @property
     def processes(self) -> str:
@@ -89,6 +101,13 @@ class Protections:
             if self.pids
             else "no pid namespace (a process a tool starts in a new session outlives the call)"
         )
+        parts.append(
+            "an IPC namespace of the call's own (its SysV shared memory, semaphores and message "
+            "queues, and POSIX message queues, die with it)"
+            if self.ipc
+            else "no IPC namespace (SysV shared memory a tool makes outlives the call and other "
+            "calls may read it)"
+        )
         if self.mounts:
             parts.append(f"hidden: {', '.join(self.hidden) or 'nothing'}")
             if self.scratch:
@@ -104,6 +123,23 @@ class Protections:
             parts.append(
                 "no pid and mount namespaces of the call's own: tools see the node's "
                 "processes in /proc (their command lines, and what their user may read of them)"
+            )
+        parts.append(
+            "a seccomp filter (no new namespaces, io_uring, bpf, ptrace, keyring, mounts, "
+            "kernel modules, vsock, clock changes and the like: EPERM)"
+            if self.seccomp
+            else f"no seccomp filter ({self.seccomp_error})"
+        )
+        if self.cgroup != "none":
+            io = {"io": ", I/O weight", "blkio": ", I/O weight where the scheduler has one"}
+            extra = "".join(io.get(c, "") for c in self.cgroup_controllers)
+            parts.append(
+                f"a cgroup of the call's own ({self.cgroup}: {limits.memory_mb} MiB of memory "
+                f"across its processes, {limits.processes} processes{extra})"
+            )
+        else:
+            parts.append(
+                f"no cgroup per call ({self.cgroup_error}): memory is limited per process only"
             )
         if self.root:
             parts.append(
@@ -159,14 +195,27 @@ def _probe_in_subprocess(lay: Layout) -> Protections:
 
 def _protections(data: dict[str, Any]) -> Protections:
     data = dict(data)
-    for k in ("hidden", "problems", "scratch"):
+    for k in ("hidden", "problems", "scratch", "cgroup_parents", "cgroup_controllers"):
         data[k] = tuple(data.get(k, ()))
     return Protections(**data)
 
 
 def probe_here(lay: Layout) -> Protections:
     """``probe``'s work, in this process (which must be single-threaded): each mode and set of
-    namespaces tried in a forked child, the first that works kept."""
+    namespaces tried in a forked child, the first that works kept; then the seccomp filter and
+    the cgroup per call."""
+    found = _namespaces_here(lay)
+    filter_error = seccomp.try_here()
+    problems = found.problems + ((f"no seccomp filter ({filter_error})",) if filter_error else ())
+    groups = cgroups.probe_here(found.root)
+    if groups["cgroup_error"]:
+        problems += (f"no cgroup per call ({groups['cgroup_error']})",)
+    return replace(
+        found, problems=problems, seccomp=not filter_error, seccomp_error=filter_error, **groups
+    )
+
+
+def _namespaces_here(lay: Layout) -> Protections:
     root = os.geteuid() == 0
     reachable = _reachable((*lay.needed, lay.workdirs))
     modes = ["root", "userns"] if root else ["userns"]
@@ -175,6 +224,8 @@ def probe_here(lay: Layout) -> Protections:
         CLONE_NEWNET | CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWNS | CLONE_NEWPID, CLONE_NEWPID,
         CLONE_NEWNS,
     ]  # fmt: skip
+    # each with an IPC namespace first (a kernel without CONFIG_IPC_NS: without)
+    subsets = [f for s in subsets for f in (s | CLONE_NEWIPC, s)]
     first_error = ""
     net_error = ""
     for mode in modes:

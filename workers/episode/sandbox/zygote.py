@@ -77,8 +77,9 @@ class Zygote:
     """The server's side of its zygote. ``spawn`` runs in the zygote: it forks a keeper for a
     call with or without the network and returns it (its ends of the pipes closed there)."""
 
-    def __init__(self, spawn: Spawn) -> None:
+    def __init__(self, spawn: Spawn, reaped: Callable[[int], None] | None = None) -> None:
         self._spawn = spawn
+        self._reaped = reaped  # (in the zygote) after a keeper is reaped: e.g. its cgroup removed
         self.pid = -1
         self._sock: socket.socket | None = None
         self._ready: dict[bool, deque[Spare | str]] = {False: deque(), True: deque()}
@@ -92,7 +93,7 @@ class Zygote:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the zygote never returns
             ours.close()
-            _serve(theirs, self._spawn, server)
+            _serve(theirs, self._spawn, server, self._reaped)
         theirs.close()
         self.pid, self._sock = pid, ours
 
@@ -186,7 +187,9 @@ class Zygote:
 # -- the zygote ---------------------------------------------------------------------------------
 
 
-def _serve(sock: socket.socket, spawn: Spawn, server: int) -> None:  # pragma: no cover - child
+def _serve(
+    sock: socket.socket, spawn: Spawn, server: int, reaped: Callable[[int], None] | None = None
+) -> None:  # pragma: no cover - child
     """The zygote's loop: spares forked on order, keepers reaped when their call is over. It
     holds no file of the server's but its socket, and never reads a request."""
     children: set[int] = set()
@@ -213,7 +216,7 @@ def _serve(sock: socket.socket, spawn: Spawn, server: int) -> None:  # pragma: n
                 pid = int(msg["pid"])
                 if pid in children:
                     children.discard(pid)
-                    _reap(pid)
+                    _reap(pid, reaped)
                 continue
             new = [m for m in msg.get("modules", ()) if m not in imported]
             for module in new:  # once here, not in every call's processes
@@ -238,13 +241,16 @@ def _serve(sock: socket.socket, spawn: Spawn, server: int) -> None:  # pragma: n
         pass
     finally:
         for pid in children:
-            _reap(pid)
+            _reap(pid, reaped)
         os._exit(0)
 
 
-def _reap(pid: int) -> None:  # pragma: no cover - runs in the zygote
+def _reap(pid: int, reaped: Callable[[int], None] | None = None) -> None:  # pragma: no cover
     _killpg(pid)  # what stayed in the call's group (before the reap: the pid is still its)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
+    if reaped is not None:
+        with contextlib.suppress(Exception):
+            reaped(pid)
