@@ -187,15 +187,14 @@ def oom_killed(plan: Protections, name: str) -> bool:
     return False
 
 
-def remove(plan: Protections, name: str) -> None:
-    """In the server, after the call: kill what is left in the group, remove it (retried
-    ``REMOVE_WAIT_S``: processes of a dying pid namespace take a moment to leave it)."""
-    for d in _dirs(plan, name):
-        _remove(d)
+def remove(plan: Protections, name: str, wait_s: float = REMOVE_WAIT_S) -> bool:
+    """After the call: kill what is left in the group and remove it, retried ``wait_s``
+    (processes of a dying pid namespace take a moment to leave it); whether it is gone."""
+    return all([_remove(d, wait_s) for d in _dirs(plan, name)])
 
 
-def _remove(d: str) -> bool:
-    deadline = time.monotonic() + REMOVE_WAIT_S
+def _remove(d: str, wait_s: float) -> bool:
+    deadline = time.monotonic() + wait_s
     pause = 0.001
     while True:
         try:
@@ -232,7 +231,7 @@ def sweep(plan: Protections) -> list[str]:
                     pass
                 except OSError:
                     continue
-                if _remove(str(entry)):
+                if _remove(str(entry), REMOVE_WAIT_S):
                     removed.append(str(entry))
     return removed
 

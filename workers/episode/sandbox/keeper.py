@@ -159,10 +159,12 @@ class Sandbox:
             _remove(workdir)
             raise
 
-    def _reaped(self, keeper: int) -> None:  # pragma: no cover - in the zygote
-        """A call's keeper is reaped: its cgroup goes (what is left killed, then rmdir)."""
-        if self.plan.cgroup != "none":
-            cgroups.remove(self.plan, cgroups.call_name(self.server, keeper))
+    def _reaped(self, keeper: int, wait_s: float) -> bool:  # pragma: no cover - in the zygote
+        """A call's keeper is reaped: its cgroup goes (what is left killed, then rmdir, tried
+        for ``wait_s``); whether it is gone."""
+        if self.plan.cgroup == "none":
+            return True
+        return cgroups.remove(self.plan, cgroups.call_name(self.server, keeper), wait_s)
 
     # -- the keeper (a child) and the tool process (its child) --------------------------------
 

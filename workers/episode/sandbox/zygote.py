@@ -71,13 +71,17 @@ class Spare:
 
 
 Spawn = Callable[[bool, list[int]], Spare]  # (network, fds the keeper must close) -> a spare
+# (keeper, seconds it may wait) -> its call's leftovers are gone (its cgroup): after the reap
+Reaped = Callable[[int, float], bool]
+LEFTOVER_RETRY_S = 0.05  # a call's leftovers not gone at once: tried again between orders
+REAPED_WAIT_S = 2.0  # as the zygote ends, how long it waits for its calls' leftovers to go
 
 
 class Zygote:
     """The server's side of its zygote. ``spawn`` runs in the zygote: it forks a keeper for a
     call with or without the network and returns it (its ends of the pipes closed there)."""
 
-    def __init__(self, spawn: Spawn, reaped: Callable[[int], None] | None = None) -> None:
+    def __init__(self, spawn: Spawn, reaped: Reaped | None = None) -> None:
         self._spawn = spawn
         self._reaped = reaped  # (in the zygote) after a keeper is reaped: e.g. its cgroup removed
         self.pid = -1
@@ -188,11 +192,19 @@ class Zygote:
 
 
 def _serve(
-    sock: socket.socket, spawn: Spawn, server: int, reaped: Callable[[int], None] | None = None
+    sock: socket.socket, spawn: Spawn, server: int, reaped: Reaped | None = None
 ) -> None:  # pragma: no cover - child
     """The zygote's loop: spares forked on order, keepers reaped when their call is over. It
-    holds no file of the server's but its socket, and never reads a request."""
+    holds no file of the server's but its socket, and never reads a request. What a reaped
+    call leaves that cannot go at once (a cgroup whose last processes are still exiting) is
+    tried again between orders, so that the next spare is not held up by it."""
     children: set[int] = set()
+    leftovers: list[int] = []  # keepers reaped whose leftovers are not gone yet
+
+    def clean(wait_s: float) -> None:
+        if reaped is not None:
+            leftovers[:] = [k for k in leftovers if not _quiet(reaped, k, wait_s)]
+
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != server:
@@ -205,6 +217,9 @@ def _serve(
         imported: set[str] = set()
         gc.freeze()  # what is here stays untouched by the children's collections (fewer copies)
         while True:
+            if leftovers and not select.select([sock], [], [], LEFTOVER_RETRY_S)[0]:
+                clean(0.0)
+                continue
             try:
                 data = sock.recv(_MESSAGE_BYTES)
             except OSError:
@@ -216,7 +231,9 @@ def _serve(
                 pid = int(msg["pid"])
                 if pid in children:
                     children.discard(pid)
-                    _reap(pid, reaped)
+                    _reap(pid)
+                    leftovers.append(pid)
+                    clean(0.0)
                 continue
             new = [m for m in msg.get("modules", ()) if m not in imported]
             for module in new:  # once here, not in every call's processes
@@ -241,16 +258,22 @@ def _serve(
         pass
     finally:
         for pid in children:
-            _reap(pid, reaped)
+            _reap(pid)
+        leftovers.extend(children)
+        clean(REAPED_WAIT_S)
         os._exit(0)
 
 
-def _reap(pid: int, reaped: Callable[[int], None] | None = None) -> None:  # pragma: no cover
+def _reap(pid: int) -> None:  # pragma: no cover - runs in the zygote
     _killpg(pid)  # what stayed in the call's group (before the reap: the pid is still its)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
-    if reaped is not None:
-        with contextlib.suppress(Exception):
-            reaped(pid)
+
+
+def _quiet(reaped: Reaped, keeper: int, wait_s: float) -> bool:  # pragma: no cover - zygote
+    try:
+        return reaped(keeper, wait_s)
+    except Exception:  # given up on: a sweep of a later server removes it
+        return True
