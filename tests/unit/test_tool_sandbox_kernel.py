@@ -261,8 +261,8 @@ def test_the_groups_a_dead_server_left_are_swept_with_their_processes() -> None:
             Path(d, "cgroup.procs").write_text(str(left.pid))
         mine = cgroups.call_name(os.getpid(), 2)  # a running server's: kept
         kept = cgroups.create(PROTECTIONS, mine, sandbox.Limits())
-        assert sorted(sandbox.sweep_groups(PROTECTIONS)) == sorted(dirs)
-        assert left.wait(timeout=10) == -9
+        sandbox.sweep_groups(PROTECTIONS)  # (other dead servers' groups go too, or went
+        assert left.wait(timeout=10) == -9  # in another test process's sweep: either way)
         assert not any(Path(d).exists() for d in dirs)
         assert all(Path(d).exists() for d in kept)
     finally:

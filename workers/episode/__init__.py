@@ -10,15 +10,34 @@ checkpoint in PostgreSQL; after a crash the function is run again from the start
 recorded results are returned in order, so generation continues at the first unrecorded call.
 """
 
-from rollcall.workers.episode.api import (
-    AgentUsageError,
-    ContextLimit,
-    Outcome,
-    ReplayDivergence,
-    Reply,
-    ToolCall,
-)
-from rollcall.workers.episode.context import AgentContext
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollcall.workers.episode.api import (
+        AgentUsageError,
+        ContextLimit,
+        Outcome,
+        ReplayDivergence,
+        Reply,
+        ToolCall,
+    )
+    from rollcall.workers.episode.context import AgentContext
+
+# Loaded on first use, so that a process that needs one module of this package (the tool
+# server and its zygote: ``tools`` and ``sandbox``) does not import the whole agent runtime:
+# every tool call forks such a process, and a smaller one forks faster
+_EXPORTS = {
+    "AgentContext": "rollcall.workers.episode.context",
+    "AgentUsageError": "rollcall.workers.episode.api",
+    "ContextLimit": "rollcall.workers.episode.api",
+    "Outcome": "rollcall.workers.episode.api",
+    "ReplayDivergence": "rollcall.workers.episode.api",
+    "Reply": "rollcall.workers.episode.api",
+    "ToolCall": "rollcall.workers.episode.api",
+}
 
 __all__ = [
     "AgentContext",
@@ -29,3 +48,10 @@ __all__ = [
     "Reply",
     "ToolCall",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

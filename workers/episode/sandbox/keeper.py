@@ -4,6 +4,7 @@ server's side that waits for its answer. Standard library only."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -14,10 +15,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from . import cgroups, seccomp
 from .linux import (
+    CLONE_NEWPID,
     MS_NODEV,
     MS_NOEXEC,
     MS_NOSUID,
@@ -30,7 +33,9 @@ from .linux import (
     _oserror,
     _prctl,
     _processes_of,
+    _setns,
     _signame,
+    _unshare,
     _write_all,
 )
 from .namespaces import TOOL_UID_BASE, _enter
@@ -80,6 +85,12 @@ class Sandbox:
         self.answer_bytes = answer_bytes  # a longer answer frame: the call crashed
         self.server = os.getpid()
         self._zygote: Zygote | None = None
+        # As root with pid and mount namespaces, a call is one process: the zygote forks it as
+        # the first process of a pid namespace of its own (``unshare(CLONE_NEWPID)`` before the
+        # fork, its own pid namespace taken back after), so no keeper is forked, and the zygote
+        # reports how it ended. Otherwise (a user namespace is made in the child) a keeper.
+        self.direct = plan.mode == "root" and plan.pids and plan.mounts
+        self._pidns = -1  # (the zygote's) its own pid namespace, to go back to after a fork
 
     def start(self) -> None:
         if self._zygote is None:
@@ -144,14 +155,31 @@ class Sandbox:
                 fds.extend(os.pipe())
             out, req_r, req_w, ans_r, ans_w, ctl_r, ctl_w = fds
             zygote = os.getpid()
-            keeper = os.fork()
+            if self.direct and self._pidns < 0:
+                self._pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+                try:  # (a no-op) it may go back: not root of a user namespace of a container's
+                    _setns(self._pidns, CLONE_NEWPID)
+                except OSError:
+                    self.direct = False
+            if self.direct:
+                _unshare(CLONE_NEWPID)  # its next child: the first of a pid namespace
+            try:
+                keeper = os.fork()
+            finally:
+                if self.direct and os.getpid() == zygote:
+                    _setns(self._pidns, CLONE_NEWPID)  # the zygote's own children's again
             if keeper == 0:
                 for fd in (*close, req_w, ans_r, ctl_r):
                     os.close(fd)
+                if self.direct:
+                    self._direct(network, workdir, out, req_r, ans_w, ctl_w)
                 self._keeper(network, workdir, out, req_r, ans_w, ctl_w, zygote)
-            for fd in (req_r, ans_w, ctl_w):
+            for fd in (req_r, ans_w):
                 os.close(fd)
-            return Spare(keeper, workdir, req_w, ans_r, ctl_r, out)
+            if not self.direct:  # (direct: the zygote reports how the call ended)
+                os.close(ctl_w)
+                ctl_w = -1
+            return Spare(keeper, workdir, req_w, ans_r, ctl_r, out, reporter=ctl_w)
         except BaseException:
             for fd in fds:
                 with contextlib.suppress(OSError):
@@ -168,6 +196,37 @@ class Sandbox:
 
     # -- the keeper (a child) and the tool process (its child) --------------------------------
 
+    def _direct(
+        self, network: bool, workdir: str, out_fd: int, req_r: int, ans_w: int, ctl_w: int
+    ) -> None:  # pragma: no cover - runs in a child
+        """As root: the call's one process, the first of its pid namespace (``self.direct``):
+        the keeper's set-up, then the tool process's."""
+        try:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            signal.set_wakeup_fd(-1)  # (the zygote's)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.setsid()
+            host = int(Path("/proc/self").readlink().name)  # its pid outside (the node's /proc)
+            plan = dataclasses.replace(self.plan, flags=self.plan.flags & ~CLONE_NEWPID)
+            _enter(
+                plan, self.layout, network=network, workdir=workdir,
+                size_mb=max(self.limits.file_mb, 1),
+            )  # fmt: skip
+            uid = None
+            if self.plan.drop_uid:
+                uid = TOOL_UID_BASE + host
+                os.chown(workdir, uid, uid)
+            group = []
+            if self.plan.cgroup != "none":
+                group = cgroups.create(self.plan, cgroups.call_name(self.server, host), self.limits)
+        except BaseException as e:
+            why = _oserror(e) if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+            with contextlib.suppress(OSError):
+                _write_all(ctl_w, json.dumps({"error": why}).encode() + b"\n")
+            os._exit(1)
+        self._tool(uid, self.limits.processes, workdir, out_fd, req_r, ans_w, True, -1, group,
+                   ctl_w, host)  # fmt: skip
+
     def _keeper(
         self,
         network: bool,
@@ -180,6 +239,7 @@ class Sandbox:
     ) -> None:  # pragma: no cover - runs in a child
         code = 1
         try:
+            signal.set_wakeup_fd(-1)  # (the zygote's)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.setsid()
             _enter(
@@ -234,7 +294,12 @@ class Sandbox:
         mount_proc: bool,
         alive_r: int,
         group: list[str],
+        ctl_w: int = -1,
+        host: int = 0,
     ) -> None:  # pragma: no cover - runs in a child
+        """The tool process: its limits, then its request, its tool and its answer. ``alive_r``
+        (-1: none) tells it its keeper died; ``ctl_w`` (direct: no keeper) gets its ``host``
+        pid once it is set up."""
         code = _EXIT_FAILED
         try:
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -242,8 +307,11 @@ class Sandbox:
             if mount_proc:  # this pid namespace's processes only; else the call fails
                 _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             # out of the way first (any of them may be 0 to 4)
-            out_fd, ans_w, alive_r, req_r = (
-                fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in (out_fd, ans_w, alive_r, req_r)
+            alive_r = alive_r if alive_r >= 0 else os.open(os.devnull, os.O_RDONLY)
+            ctl_w = ctl_w if ctl_w >= 0 else os.open(os.devnull, os.O_WRONLY)
+            out_fd, ans_w, alive_r, req_r, ctl_w = (
+                fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64)
+                for fd in (out_fd, ans_w, alive_r, req_r, ctl_w)
             )
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
@@ -252,7 +320,8 @@ class Sandbox:
             os.dup2(ans_w, 3, inheritable=False)  # not the tool's subprocesses'
             os.dup2(alive_r, 4, inheritable=False)
             os.dup2(req_r, 5, inheritable=False)
-            os.closerange(6, 1 << 20)
+            os.dup2(ctl_w, 6, inheritable=False)
+            os.closerange(7, 1 << 20)
             lim = self.limits
             for which, value in (
                 (resource.RLIMIT_CORE, 0),
@@ -282,9 +351,12 @@ class Sandbox:
             _prctl(PR_SET_NO_NEW_PRIVS, 1)
             if self.plan.seccomp:  # (after no_new_privs: unprivileged, it needs it)
                 seccomp.install()
-            if select.select([4], [], [], 0)[0]:  # the keeper died before PDEATHSIG was set
-                return
+            if not host and select.select([4], [], [], 0)[0]:  # the keeper died before
+                return  # PDEATHSIG was set
             os.close(4)
+            if host:  # set up: the server may send the request
+                _write_all(6, json.dumps({"pid": host}).encode() + b"\n")
+            os.close(6)
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             os.chdir(workdir)
             path = os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin")

@@ -41,6 +41,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                         ctypes.c_char_p]  # fmt: skip
 _libc.unshare.argtypes = [ctypes.c_int]
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
                         ctypes.c_ulong]  # fmt: skip
 
@@ -91,6 +92,11 @@ def _unshare(flags: int) -> None:
     if _libc.unshare(flags) != 0:
         names = "|".join(n for f, n in _FLAG_NAMES.items() if f & flags)
         _raise(f"unshare({names})")
+
+
+def _setns(fd: int, nstype: int) -> None:
+    if _libc.setns(fd, nstype) != 0:
+        _raise(f"setns({_FLAG_NAMES.get(nstype, nstype)})")
 
 
 def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str = "") -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .linux import PR_SET_PDEATHSIG, _killpg, _oserror, _prctl
+from .linux import PR_SET_PDEATHSIG, _killpg, _oserror, _prctl, _write_all
 from .server import _remove
 
 SPARES = 1  # spares ordered ahead, per kind (with or without the network)
@@ -59,11 +59,13 @@ class Spare:
     answer: int
     control: int
     output: int
+    reporter: int = -1  # (in the zygote) where it says how the spare ended; -1: its keeper does
 
     def fds(self) -> list[int]:
         return [self.request, self.answer, self.control, self.output]
 
     def close(self) -> None:
+        """Close the server's ends (``reporter`` stays: the zygote's)."""
         for fd in self.fds():
             if fd >= 0:
                 with contextlib.suppress(OSError):
@@ -198,12 +200,40 @@ def _serve(
     holds no file of the server's but its socket, and never reads a request. What a reaped
     call leaves that cannot go at once (a cgroup whose last processes are still exiting) is
     tried again between orders, so that the next spare is not held up by it."""
-    children: set[int] = set()
-    leftovers: list[int] = []  # keepers reaped whose leftovers are not gone yet
+    children: set[int] = set()  # forked and not reaped: their pids are still theirs
+    reporters: dict[int, int] = {}  # child -> where to report how it ended (no keeper does)
+    # a call's leftovers (its cgroup) go once it is reaped and the server is done with it (it
+    # reads the group's OOM count first): whichever of the two comes second adds it here
+    half: set[int] = set()  # reaped or ended, not both
+    leftovers: list[int] = []  # both, whose leftovers are not gone yet
+
+    def over(pid: int) -> None:  # one of the two
+        if pid in half:
+            half.discard(pid)
+            leftovers.append(pid)
+        else:
+            half.add(pid)
 
     def clean(wait_s: float) -> None:
         if reaped is not None:
             leftovers[:] = [k for k in leftovers if not _quiet(reaped, k, wait_s)]
+
+    def reap_ended() -> None:
+        while children:
+            try:
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            children.discard(pid)
+            fd = reporters.pop(pid, -1)
+            if fd >= 0:
+                report = {"status": status, "cpu": usage.ru_utime + usage.ru_stime}
+                with contextlib.suppress(OSError):
+                    _write_all(fd, json.dumps(report).encode() + b"\n")
+                os.close(fd)
+            over(pid)
 
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -214,11 +244,22 @@ def _serve(
             if int(entry.name) not in keep:
                 with contextlib.suppress(OSError):
                     os.close(int(entry.name))
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wake_w)  # a child ended: reaped (and reported) at once
+        signal.signal(signal.SIGCHLD, lambda *_: None)
         imported: set[str] = set()
         gc.freeze()  # what is here stays untouched by the children's collections (fewer copies)
         while True:
-            if leftovers and not select.select([sock], [], [], LEFTOVER_RETRY_S)[0]:
+            wait = LEFTOVER_RETRY_S if leftovers else None
+            ready = select.select([sock.fileno(), wake_r], [], [], wait)[0]
+            if wake_r in ready:
+                with contextlib.suppress(OSError):
+                    os.read(wake_r, 4096)
+                reap_ended()
                 clean(0.0)
+            if sock.fileno() not in ready:
+                if not ready:
+                    clean(0.0)
                 continue
             try:
                 data = sock.recv(_MESSAGE_BYTES)
@@ -229,11 +270,12 @@ def _serve(
             msg = json.loads(data)
             if msg.get("op") == "end":
                 pid = int(msg["pid"])
-                if pid in children:
-                    children.discard(pid)
-                    _reap(pid)
-                    leftovers.append(pid)
-                    clean(0.0)
+                if pid in children:  # not reaped: the pid (and its group) still the call's
+                    _killpg(pid)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                over(pid)
+                clean(0.0)
                 continue
             new = [m for m in msg.get("modules", ()) if m not in imported]
             for module in new:  # once here, not in every call's processes
@@ -243,11 +285,13 @@ def _serve(
             if new:
                 gc.freeze()
             try:
-                spare = spawn(bool(msg.get("network")), [sock.fileno()])
+                spare = spawn(bool(msg.get("network")), [sock.fileno(), wake_r, wake_w])
             except OSError as e:  # no process or file for it (EAGAIN, ENOSPC): the call's failure
                 sock.send(json.dumps({"error": _oserror(e)}).encode())
                 continue
             children.add(spare.pid)
+            if spare.reporter >= 0:
+                reporters[spare.pid] = spare.reporter
             try:
                 reply = json.dumps({"pid": spare.pid, "workdir": spare.workdir}).encode()
                 socket.send_fds(sock, [reply], [spare.request, spare.answer, spare.control,
@@ -257,9 +301,9 @@ def _serve(
     except BaseException:  # the server sees the socket close
         pass
     finally:
-        for pid in children:
+        for pid in list(children):
             _reap(pid)
-        leftovers.extend(children)
+        leftovers.extend(children | half)
         clean(REAPED_WAIT_S)
         os._exit(0)
 
