@@ -3,7 +3,10 @@
 The tool server (``rollcall.workers.episode.tools``: a single-threaded forkserver child, one per
 agent loop) forks, before it reads any request, a *zygote* (``zygote``) that never sees one. The
 zygote forks, ahead of need, a *spare* for the next call: a *keeper* that sets the call up and
-forks the *tool process*, which waits for its one request, runs the tool and exits. So a limit is
+forks the *tool process*, which waits for its one request, runs the tool and exits. As root
+(``Sandbox.direct``) there is no keeper: the zygote forks the tool process as the first process
+of a pid namespace of its own, it sets itself up as the keeper would, and the zygote reports
+how it ended. So a limit is
 per call (RLIMIT_CPU counts one call's CPU), a call's processes never held another call's
 request or answer (nor the prompt fields its task did not declare: ``tool_prompt_fields``), and
 nothing a call leaves behind in memory, in its working directory or in its process tree reaches
