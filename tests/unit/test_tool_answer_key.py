@@ -11,10 +11,10 @@ import json
 import subprocess
 import sys
 import uuid
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from rollcall.orchestrator.config import ToolSandboxConfig
-from rollcall.tasks.base import BaseTask, Observation, TaskSpec, Tool
+from rollcall.tasks.base import BaseTask, Observation, TaskPlugin, TaskSpec
 from rollcall.workers.episode import sandbox
 from rollcall.workers.episode.tools import ToolRunner, tool_prompt
 
@@ -29,28 +29,6 @@ class CodeTask(BaseTask):
     description: ClassVar[str] = "runs the model's Python"
     Spec: ClassVar[type[TaskSpec]] = TaskSpec
     tool_prompt_fields: ClassVar[tuple[str, ...]] = ("question",)
-
-    def prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
-        return {}
-
-    def eval_prompt(self, spec: TaskSpec, index: int) -> dict[str, Any]:
-        return {}
-
-    def instructions(self, spec: TaskSpec, prompt: dict[str, Any]) -> str:
-        return ""
-
-    def reward(
-        self,
-        spec: TaskSpec,
-        prompt: dict[str, Any],
-        answer: str | None,
-        state: dict[str, Any],
-        turns: int,
-    ) -> float:
-        return 0.0
-
-    def tools(self, spec: TaskSpec) -> list[Tool]:
-        return []
 
     def call_tool(
         self,
@@ -117,7 +95,7 @@ def test_a_tool_sees_only_its_fields_and_no_other_calls_data() -> None:
         "answer": f"OLDANSWER-{tag}",
     }
     control = f"CONTROL-{tag}"  # this call's own argument: the scan must find it (it reads)
-    task, spec = CodeTask(), TaskSpec()
+    task, spec = cast(TaskPlugin, CodeTask()), TaskSpec()  # (a tool's half of a plugin)
     row = {"question": "what is 6 * 7?", "answer": label}
     assert tool_prompt(task, row) == {"question": "what is 6 * 7?"}
 
