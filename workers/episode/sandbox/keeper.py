@@ -94,6 +94,8 @@ class Sandbox:
 
     def start(self) -> None:
         if self._zygote is None:
+            if self.plan.seccomp:
+                seccomp.prepare()  # (the zygote's children inherit it built)
             self.server = os.getpid()
             self._zygote = Zygote(self._spawn, self._reaped)
             self._zygote.start()

@@ -16,6 +16,7 @@ import os
 import platform
 import struct
 import sys
+from typing import Any
 
 from .linux import _libc
 
@@ -123,12 +124,23 @@ def program() -> list[tuple[int, int, int, int]]:
     return out
 
 
+_compiled: list[Any] = []  # [the sock_fprog, its array]: built once (``prepare``)
+
+
+def prepare() -> None:
+    """Build the filter's program in this process, so that the processes it forks install it
+    without building it (each call's process would otherwise, at its CPU's expense)."""
+    if not _compiled:
+        insns = program()
+        array = (_SockFilter * len(insns))(*(_SockFilter(*i) for i in insns))
+        _compiled.extend((_SockFprog(len(insns), array), array))
+
+
 def install() -> None:
     """Install the filter in this process (and so its future children): after
     ``PR_SET_NO_NEW_PRIVS``, single-threaded. OSError if the kernel refuses."""
-    insns = program()
-    array = (_SockFilter * len(insns))(*(_SockFilter(*i) for i in insns))
-    prog = _SockFprog(len(insns), array)
+    prepare()
+    prog = _compiled[0]
     if _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0) != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"prctl(PR_SET_SECCOMP): {os.strerror(e)}")
