@@ -10,18 +10,21 @@ user's code with its backoff, the pause of a task whose code keeps failing.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from rollcall.orchestrator.buffer.base import ACTOR, BufferBase
+from rollcall.orchestrator.buffer.groupcommit import GroupCommit, Pending
 from rollcall.orchestrator.buffer.stored import StoredPrefixes
 from rollcall.orchestrator.buffer.timings import timed
 from rollcall.orchestrator.buffer.types import ClaimedEpisode, CommitResult, Lease, SweepResult
 from rollcall.orchestrator.config import BufferConfig
 from rollcall.orchestrator.db.engine import Database, Tx
 from rollcall.orchestrator.db.repos.episodes import LeasedRow
+from rollcall.orchestrator.db.repos.trajectories import SampleWrite
 from rollcall.orchestrator.db.repos.workers import WorkerView
-from rollcall.orchestrator.db.retry import retry_transient
+from rollcall.orchestrator.db.retry import is_transient, retry_transient
 from rollcall.orchestrator.domain import (
     SampleState,
     TrajectoryPayload,
@@ -62,6 +65,8 @@ class RolloutBuffer(BufferBase):
         self.beat_db: Database | None = None
         # What this writer has stored of each sample it holds: checkpoints append new turns.
         self._stored = StoredPrefixes()
+        # Checkpoints and commits of the node's loops, one transaction per batch.
+        self.group_commit = GroupCommit(self._write_batch)
 
     # -- the worker's row -----------------------------------------------------------------------
 
@@ -312,36 +317,63 @@ class RolloutBuffer(BufferBase):
         reward: float | None,
         reward_info: dict[str, Any] | None,
     ) -> CommitResult:
-        """One sample, one statement, in autocommit (the per-turn hot path): the tokens this
-        writer has not stored yet (``StoredPrefixes``)."""
+        """One sample's write, the tokens this writer has not stored yet (``StoredPrefixes``),
+        in the node's next group commit (``groupcommit.py``): it returns once the write's
+        transaction committed."""
         key = (lease.episode_id, lease.epoch, sample_index)
         start = self._stored.start(key, payload)
-        with self.db.autocommit() as tx:
-
-            def write(start: int) -> tuple[str, bool]:
-                return tx.trajectories.write_sample(
-                    episode_id=lease.episode_id,
-                    epoch=lease.epoch,
-                    sample_index=sample_index,
-                    payload=payload,
-                    reward=reward,
-                    reward_info=reward_info,
-                    start=start,
-                )
-
-            outcome, done = write(start)
-            if outcome == "rebase":
-                outcome, done = write(0)
-            if outcome == "stale":
-                tx.episodes.bump_task_counter(lease.task_id, "fenced_rejections")
-            elif done:
-                tx.batches.notify_group_done(self.job_id)
+        write = _Write(lease, SampleWrite(*key, payload, reward, reward_info, start))
+        outcome, done = self.group_commit.submit(write)
         self._note_written(key, payload, outcome, reward is not None)
         if outcome == "stale":
             raise StaleLeaseError(lease.episode_id, lease.epoch, _MOVED_ON)
         written = (sample_index,) if outcome == "written" and reward is not None else ()
         already = (sample_index,) if outcome == "already" else ()
         return CommitResult(committed=written, already=already, group_done=done)
+
+    def _write_batch(self, batch: list[Pending]) -> None:
+        """Group commit: the batch's writes in one transaction, in episode order (see
+        ``TrajectoryRepository.write_batch``). A write whose stored tokens do not end where it
+        starts (``rebase``) is made again from token 0 in the same transaction. When the
+        transaction fails for a reason other than the database's reach, each write is made
+        again in a transaction of its own, so only the write at fault sees the error."""
+        order = sorted(batch, key=lambda p: (p.item.write.episode_id, p.item.write.sample_index))
+        try:
+            out = self._write_in_one(order)
+        except Exception as e:
+            if len(order) == 1 or is_transient(e):
+                raise
+            for p in order:
+                try:
+                    p.settle(self._write_in_one([p])[0])
+                except Exception as one:
+                    p.settle(error=one)
+            return
+        for p, result in zip(order, out, strict=True):
+            p.settle(result)
+
+    def _write_in_one(self, order: list[Pending]) -> list[tuple[str, bool]]:
+        """The writes in one transaction: a write alone is one statement in autocommit (no
+        BEGIN and COMMIT round trips); several, one transaction."""
+        writes = [p.item.write for p in order]
+        session = self.db.autocommit() if len(writes) == 1 else self.db.transaction()
+        with session as tx:
+            out = tx.trajectories.write_batch(writes)
+            again = [i for i, (outcome, _) in enumerate(out) if outcome == "rebase"]
+            if again:
+                redone = tx.trajectories.write_batch([writes[i]._replace(start=0) for i in again])
+                for i, result in zip(again, redone, strict=True):
+                    out[i] = result
+            fenced = Counter(
+                p.item.lease.task_id
+                for p, (outcome, _) in zip(order, out, strict=True)
+                if outcome == "stale"
+            )
+            for task_id, n in sorted(fenced.items()):
+                tx.episodes.bump_task_counter(task_id, "fenced_rejections", n)
+            if any(done for _, done in out):
+                tx.batches.notify_group_done(self.job_id)
+        return out
 
     def _note_written(
         self, key: tuple[int, int, int], payload: TrajectoryPayload, outcome: str, commit: bool
@@ -352,6 +384,14 @@ class RolloutBuffer(BufferBase):
             self._stored.stored(key, payload)
         else:  # committed: never written again
             self._stored.forget(key)
+
+
+@dataclass(frozen=True)
+class _Write:
+    """A write handed to the group commit: the sample's write and the lease it is under."""
+
+    lease: Lease
+    write: SampleWrite
 
 
 def _check_finite(lease: Lease, sample_index: int, reward: float) -> None:

@@ -4,11 +4,16 @@ implementation the buffer's checkpoints and commits use."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
+from rollcall.orchestrator.buffer.groupcommit import Pending
+from rollcall.orchestrator.buffer.rollout import RolloutBuffer
 from rollcall.orchestrator.buffer.types import ClaimedEpisode
 from rollcall.orchestrator.db.engine import Database
 from rollcall.orchestrator.domain import TrajectoryPayload
@@ -258,3 +263,115 @@ def test_the_buffer_sends_only_new_turns_and_a_resumed_claim_goes_on_appending(
     with pytest.raises(StaleLeaseError):
         buf.checkpoint(c.lease, 0, payload_prefix(full, 6, 10))
     assert _segments(engine) == after
+
+
+def _held_first_batch(rb: RolloutBuffer, others: int) -> list[int]:
+    """Hold the group commit's first batch until ``others`` writes wait behind it, so they
+    form the second batch together (what concurrent loops do when a write takes a while).
+    Returns the batches' sizes as they are written."""
+    real, sizes = rb.group_commit._write_batch, []
+
+    def held(batch: list[Pending]) -> None:
+        if not sizes:
+            deadline = time.monotonic() + 30
+            while len(rb.group_commit._queue) < others:
+                assert time.monotonic() < deadline, "the other writes never queued"
+                time.sleep(0.005)
+        sizes.append(len(batch))
+        real(batch)
+
+    rb.group_commit._write_batch = held  # type: ignore[method-assign]
+    return sizes
+
+
+def _in_threads(calls: dict[str, Callable[[], Any]], lead: Callable[[], Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    def run(name: str, fn: Callable[[], Any]) -> None:
+        try:
+            out[name] = fn()
+        except Exception as e:
+            out[name] = e
+
+    first = threading.Thread(target=run, args=("lead", lead))
+    first.start()
+    threads = [threading.Thread(target=run, args=kv) for kv in calls.items()]
+    for t in threads:
+        t.start()
+    for t in [first, *threads]:
+        t.join(60)
+        assert not t.is_alive()
+    return out
+
+
+def test_concurrent_writes_share_one_transaction_and_each_keeps_its_own_outcome(
+    db: Database, engine: sa.Engine
+) -> None:
+    """Group commit: a node's checkpoints and commits that wait together are written in one
+    transaction, and each still gets its own fencing, outcome and stored payload."""
+    tasks = add_tasks(db, {"name": "a", "group_size": 2})
+    buf = make_buffer(db, batch_groups=3)
+    buf.seed()
+    rb = buf.rollout
+    worker = buf.register_worker("r0").id
+    c1, c2, c3 = (buf.claim(worker) for _ in range(3))
+    assert c1 is not None and c2 is not None and c3 is not None
+    buf.release(c3.lease, "engine failed", counted=False)  # c3's lease has moved on
+    p = {k: payload(0, n_tokens=12, seed=k) for k in range(5)}
+    sizes = _held_first_batch(rb, others=4)
+    out = _in_threads(
+        {
+            "c1 commit 1": lambda: buf.commit(c1.lease, 1, p[1], 1.0),
+            "c2 checkpoint 0": lambda: buf.checkpoint(c2.lease, 0, p[2]),
+            "c2 commit 1": lambda: buf.commit(c2.lease, 1, p[3], 0.5),
+            "c3 checkpoint 0": lambda: buf.checkpoint(c3.lease, 0, p[4]),
+        },
+        lead=lambda: buf.checkpoint(c1.lease, 0, p[0]),
+    )
+    assert sizes == [1, 4]  # the four that waited: one transaction
+    assert (rb.group_commit.batches, rb.group_commit.writes) == (2, 5)
+    assert out["lead"] is None and out["c2 checkpoint 0"] is None
+    assert out["c1 commit 1"].committed == (1,) and not out["c1 commit 1"].group_done
+    assert out["c2 commit 1"].committed == (1,)
+    assert isinstance(out["c3 checkpoint 0"], StaleLeaseError)  # fenced alone
+    stored = rows(
+        engine,
+        "SELECT episode_id, sample_index, status::text, reward FROM trajectories "
+        "ORDER BY episode_id, sample_index",
+    )
+    e1, e2 = c1.lease.episode_id, c2.lease.episode_id
+    assert [tuple(r) for r in stored] == [
+        (e1, 0, "in_progress", None),
+        (e1, 1, "ready", 1.0),
+        (e2, 0, "in_progress", None),
+        (e2, 1, "ready", 0.5),
+    ]
+    assert _stored(db, c1).same_as(p[0]) and _stored(db, c2).same_as(p[2])
+    assert scalar(engine, "SELECT fenced_rejections FROM tasks WHERE id = :t", t=tasks["a"]) == 1
+
+
+def test_a_write_that_fails_in_a_batch_fails_alone(db: Database, engine: sa.Engine) -> None:
+    """A batch whose transaction fails for a reason of one write's (here a reward_info that
+    is not JSON) is written again write by write: only that write's caller sees the error."""
+    add_tasks(db, {"name": "a", "group_size": 2})
+    buf = make_buffer(db, batch_groups=1)
+    buf.seed()
+    worker = buf.register_worker("r0").id
+    c1, c2 = buf.claim(worker), buf.claim(worker)
+    assert c1 is not None and c2 is not None
+    sizes = _held_first_batch(buf.rollout, others=3)
+    out = _in_threads(
+        {
+            "good commit": lambda: buf.commit(c1.lease, 1, payload(0, seed=1), 1.0),
+            "bad commit": lambda: buf.commit(
+                c2.lease, 0, payload(0, seed=2), 1.0, {"not json": object()}
+            ),
+            "good checkpoint": lambda: buf.checkpoint(c2.lease, 1, payload(0, seed=3)),
+        },
+        lead=lambda: buf.checkpoint(c1.lease, 0, payload(0, seed=4)),
+    )
+    assert sizes == [1, 3]
+    assert isinstance(out["bad commit"], TypeError)
+    assert out["good commit"].committed == (1,) and out["good checkpoint"] is None
+    assert scalar(engine, "SELECT count(*) FROM trajectories") == 3
+    assert scalar(engine, "SELECT count(*) FROM trajectories WHERE status = 'ready'") == 1

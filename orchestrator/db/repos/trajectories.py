@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
@@ -33,6 +33,20 @@ from rollcall.orchestrator.domain import (
 from rollcall.orchestrator.errors import PayloadMissingError
 
 SampleKey = tuple[int, int, int]  # (task id, episode id, sample index)
+
+
+class SampleWrite(NamedTuple):
+    """One sample's checkpoint (``reward`` None) or commit, with its payload's tokens from
+    ``start`` on."""
+
+    episode_id: int
+    epoch: int
+    sample_index: int
+    payload: TrajectoryPayload
+    reward: float | None
+    reward_info: dict[str, Any] | None
+    start: int
+
 
 # Checkpoint (no reward) or commit one sample, fenced by the lease epoch, in one statement:
 # fencing, the write that never overwrites a committed sample, the idempotent re-commit and the
@@ -133,20 +147,28 @@ class TrajectoryRepository:
         epoch: int,
         samples: Sequence[tuple[int, TrajectoryPayload, float | None, dict[str, Any] | None, int]],
     ) -> list[tuple[str, bool]]:
-        """``write_sample`` for several samples (index, payload, reward, reward_info, start) of
-        one group, pipelined in the caller's transaction; one (outcome, group_done) per sample.
+        """``write_batch`` for several samples (index, payload, reward, reward_info, start) of
+        one group.
 
         The first write locks the episode (``FOR UPDATE`` for a commit, ``FOR SHARE`` for a
         checkpoint) until the transaction ends, so the lease cannot move on between them: if any
         sample is ``stale``, none was written."""
-        if not samples:
+        return self.write_batch([SampleWrite(episode_id, epoch, *sample) for sample in samples])
+
+    def write_batch(self, writes: Sequence[SampleWrite]) -> list[tuple[str, bool]]:
+        """``write_sample`` for several samples, of any episodes, pipelined in the caller's
+        transaction (a node's group commit): one (outcome, group_done) per write, in order.
+        Each write is fenced by its own episode's lease and locks that episode until the
+        transaction ends; callers write in episode order, so two batches never wait on each
+        other in a cycle. A write whose journal mark counts entries that are not stored is
+        made again, in the same transaction, with its whole journal."""
+        if not writes:
             return []
-        args = [(episode_id, epoch, i, p, r, info, start) for i, p, r, info, start in samples]
-        out = self._write_many([_write_params(*a) for a in args])
+        out = self._write_many([_write_params(*w) for w in writes])
         again = [i for i, (outcome, _) in enumerate(out) if outcome == _REBASE_JOURNAL]
         if again:
             rewritten = self._write_many(
-                [_write_params(*args[i], journal_rebase=True) for i in again]
+                [_write_params(*writes[i], journal_rebase=True) for i in again]
             )
             for i, result in zip(again, rewritten, strict=True):
                 out[i] = result
