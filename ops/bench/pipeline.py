@@ -31,8 +31,11 @@ makes 16 nodes a 1,024-loop fleet), ``async``/``sync`` (one run).
 
 Usage: python ops/bench/pipeline.py [--quick] [--mode compare|scaling|async|sync] [--scale 0.02]
        [--nodes 4] [--concurrency 16] [--tasks 4] [--batch-groups 8] [--group-size 4]
-       [--tool-level sandbox|process]
-Prints a table, then (last line) one JSON object with the figures.
+       [--tool-level sandbox|process] [--json]
+Prints a table, then (last line) one JSON object with the figures; ``--mode scaling --json``
+prints one JSON object per point instead (nodes, loops, rate, of_bound,
+control_plane_cpu_ms_per_traj, postgres_cpu_ms_per_traj, node_cpu_ms_per_traj,
+wal_kb_per_traj, writes_per_transaction and the rest of the row).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -368,19 +372,57 @@ def load_average() -> list[float]:
 # -- main -------------------------------------------------------------------------------------
 
 
-def start_database(home: Path) -> str:
+def start_database(home: Path, statements: bool = False) -> str:
+    """The benchmark's embedded server, migrated; ``statements``: with pg_stat_statements
+    loaded (every statement, those inside functions too), for ``--pg-statements``."""
     from rollcall.orchestrator.db import migrate
     from rollcall.orchestrator.db.embedded import MIGRATOR, EmbeddedPostgres
     from rollcall.orchestrator.db.engine import open_database
 
     server = EmbeddedPostgres(home)
     url = server.ensure_running()
+    if statements:
+        with _superuser(home) as conn:
+            conn.execute("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
+            conn.execute("ALTER SYSTEM SET pg_stat_statements.track = 'all'")
+        server.stop()
+        url = server.ensure_running()
+        with _superuser(home) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
     db = open_database(server.url(role=MIGRATOR), verify_schema=False)  # migrations
     with db.engine.connect() as conn:
         migrate.upgrade(conn)
         conn.commit()
     db.dispose()
     return url
+
+
+@contextlib.contextmanager
+def _superuser(home: Path) -> Iterator[Any]:
+    import psycopg
+
+    from rollcall.orchestrator.db.embedded import SUPERUSER, EmbeddedPostgres
+
+    url = EmbeddedPostgres(home).url(role=SUPERUSER).replace("postgresql+psycopg", "postgresql")
+    with psycopg.connect(url, autocommit=True) as conn:
+        yield conn
+
+
+def print_statements(home: Path, top: int) -> None:
+    """The ``top`` statements by the server's time since the last call (pg_stat_statements),
+    then reset: where PostgreSQL's time goes in a run."""
+    with _superuser(home) as conn:
+        rows = conn.execute(
+            "SELECT calls, total_exec_time, regexp_replace(query, '\\s+', ' ', 'g') "
+            "FROM pg_stat_statements ORDER BY total_exec_time DESC LIMIT %s",
+            (top,),
+        ).fetchall()
+        conn.execute("SELECT pg_stat_statements_reset()")
+    print("# PostgreSQL's time by statement (calls, total ms, us per call, statement)")
+    for calls, total_ms, query in rows:
+        print(
+            f"{calls:>8} {total_ms:>10.1f} {1000 * total_ms / max(1, calls):>9.1f}  {query[:110]}"
+        )
 
 
 def tokenizer_dir(home: Path) -> Path:
@@ -480,6 +522,20 @@ def main() -> None:
         default=1.5,
         help="scaling: warm-up of at least this many trajectory durations (the ramp)",
     )
+    ap.add_argument(
+        "--json",
+        action="store_true",
+        help="scaling: one JSON object per point (a line each) instead of the table and the "
+        "final object",
+    )
+    ap.add_argument(
+        "--pg-statements",
+        type=int,
+        default=0,
+        metavar="N",
+        help="load pg_stat_statements and print the N statements PostgreSQL spent most time "
+        "on after each run (a profile; it costs the server some CPU)",
+    )
     ap.add_argument("--home", type=Path, default=None, help="default: a temporary folder")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = ap.parse_args()
@@ -503,7 +559,7 @@ def main() -> None:
         home.chmod(0o711)  # as root, the embedded server's user passes through it
     rayauth.configure_local()  # token authentication, as a job's local Ray
     try:
-        url = start_database(home)
+        url = start_database(home, statements=bool(args.pg_statements))
         model_dir = tokenizer_dir(home)
         out: dict[str, Any] = {
             "benchmark": "pipeline",
@@ -547,7 +603,8 @@ def main() -> None:
         stop_database(home)
         if args.home is None and not args.keep:
             shutil.rmtree(home, ignore_errors=True)
-    print(json.dumps(out, default=str))
+    if not (args.json and args.mode == "scaling"):  # --json printed each point already
+        print(json.dumps(out, default=str))
 
 
 def profile_stats(profile: dict[str, list[Sample]]) -> dict[str, Any]:
@@ -616,6 +673,8 @@ def scaling(
             )  # fmt: skip
             b = compute_bounds(setup, profile, parallel)
             r = run_job(setup, url, home, model_dir, f"scale-n{nodes}-t{tasks}-{int(time.time())}")
+            if args.pg_statements:
+                print_statements(home, args.pg_statements)
             mixed = compute_bounds(setup, profile, parallel, mix=realized_mix(r))
             row = {
                 "nodes": nodes, "tasks": tasks, "loops": loops, "scale": scale,
@@ -625,7 +684,10 @@ def scaling(
                 "efficiency_mix": r["traj_per_s_sim"] / mixed.async_traj_per_s,
             }  # fmt: skip
             rows.append(row)
-            print_scaling_row(row, header=len(rows) == 1)
+            if args.json:
+                print(json.dumps(point_json(row, args.rate)), flush=True)
+            else:
+                print_scaling_row(row, header=len(rows) == 1)
     return {"scaling": rows, "rate_per_real_s": args.rate}
 
 
@@ -645,6 +707,7 @@ def _row(r: dict[str, Any], b: Bounds) -> dict[str, Any]:
         "node_cpu_ms_per_traj": cp["node_process_cpu_ms_per_traj"],
         "wal_kb_per_traj": cp["wal_kb_per_traj"],
         "wal_mb_per_s": cp["wal_mb_per_s"],
+        "writes_per_transaction": cp["writes_per_transaction"],
         "machine_busy": cp["machine_busy"],
         "expired_frac": r["expired_frac"],
         "staleness_mean": r["staleness_mean"],
@@ -653,11 +716,30 @@ def _row(r: dict[str, Any], b: Bounds) -> dict[str, Any]:
     }
 
 
+def point_json(row: dict[str, Any], rate: float) -> dict[str, Any]:
+    """A scaling point as ``--json`` prints it: the issue's names first, then the rest."""
+    return {
+        "nodes": row["nodes"],
+        "loops": row["loops"],
+        "tasks": row["tasks"],
+        "rate": rate,
+        "traj_per_s_real": row["traj_per_s_real"],
+        "of_bound": row["efficiency"],
+        "control_plane_cpu_ms_per_traj": row["cp_cpu_ms_per_traj"],
+        "postgres_cpu_ms_per_traj": row["pg_cpu_ms_per_traj"],
+        "node_cpu_ms_per_traj": row["node_cpu_ms_per_traj"],
+        "wal_kb_per_traj": row["wal_kb_per_traj"],
+        "writes_per_transaction": row["writes_per_transaction"],
+        **{k: v for k, v in row.items() if k not in ("efficiency", "ops")},
+        "ops": row["ops"],
+    }
+
+
 def print_scaling_row(row: dict[str, Any], *, header: bool) -> None:
     cols = ("nodes", "tasks", "loops", "traj/h (sim)", "real/s", "eff", "eff (mix)",
             "claim p50/p99 ms",
             "claims/traj", "cp ms/traj", "cp cpu ms/traj", "pg cpu", "node cpu", "WAL kB/traj",
-            "WAL MB/s", "machine busy", "expired", "load")  # fmt: skip
+            "WAL MB/s", "writes/tx", "machine busy", "expired", "load")  # fmt: skip
     if header:
         print(" | ".join(cols))
     print(
@@ -670,7 +752,8 @@ def print_scaling_row(row: dict[str, Any], *, header: bool) -> None:
                 f"{row['claims_per_traj']:.2f}", f"{row['cp_wall_ms_per_traj']:.1f}",
                 f"{row['cp_cpu_ms_per_traj']:.1f}", f"{row['pg_cpu_ms_per_traj']:.1f}",
                 f"{row['node_cpu_ms_per_traj']:.1f}", f"{row['wal_kb_per_traj']:.0f}",
-                f"{row['wal_mb_per_s']:.2f}", f"{row['machine_busy']:.0%}",
+                f"{row['wal_mb_per_s']:.2f}",
+                f"{row['writes_per_transaction'] or 0:.2f}", f"{row['machine_busy']:.0%}",
                 f"{row['expired_frac']:.1%}",
                 "/".join(f"{x:g}" for x in row["load"]),
             ]

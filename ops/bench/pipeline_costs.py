@@ -128,7 +128,7 @@ def window_costs(a: Snap, b: Snap) -> dict[str, Any]:
     """Control-plane costs between two snapshots, summed over the rollout nodes (nodes that
     restarted in between are left out) and the driver."""
     before = {r["worker_id"]: r for r in a.nodes}
-    node_ops, node_cpu, committed = [], 0.0, 0
+    node_ops, node_cpu, committed, batches, batched = [], 0.0, 0, 0, 0
     for r in b.nodes:
         old = before.get(r["worker_id"])
         if old is None:
@@ -136,6 +136,8 @@ def window_costs(a: Snap, b: Snap) -> dict[str, Any]:
         node_ops.append(timings.diff(r["buffer_ops"], old["buffer_ops"]))
         node_cpu += r["process_cpu_s"] - old["process_cpu_s"]
         committed += r["samples_committed"] - old["samples_committed"]
+        batches += r.get("write_batches", 0) - old.get("write_batches", 0)
+        batched += r.get("writes_batched", 0) - old.get("writes_batched", 0)
     rollout = timings.merge(node_ops)
     driver = timings.diff(b.driver_ops, a.driver_ops)
     return {
@@ -148,6 +150,9 @@ def window_costs(a: Snap, b: Snap) -> dict[str, Any]:
         # the whole machine's busy share (all processes: nodes, tools, Ray, PostgreSQL, driver)
         "machine_busy": (b.machine[0] - a.machine[0]) / max(1, b.machine[1] - a.machine[1]),
         "samples_committed": committed,
+        # the nodes' group commits: transactions of checkpoints and commits, and their writes
+        "write_batches": batches,
+        "writes_batched": batched,
     }
 
 
@@ -195,6 +200,9 @@ def control_plane(setup: Setup, costs: dict[str, Any], span_s: float, steps: int
         "wal_kb_per_traj": costs["wal_bytes"] / trajectories / 1000,
         "wal_mb_per_s": costs["wal_bytes"] / span_s / 1e6,
         "machine_busy": costs["machine_busy"],
+        "writes_per_transaction": (
+            costs["writes_batched"] / costs["write_batches"] if costs["write_batches"] else None
+        ),
         "claim_calls": claim["calls"],
         "claim_p50_ms": _ms(timings.percentile_s(claim["hist"], 50)),
         "claim_p99_ms": _ms(timings.percentile_s(claim["hist"], 99)),
