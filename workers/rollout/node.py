@@ -52,6 +52,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollcall.orchestrator import stacks
 from rollcall.orchestrator.buffer.rollout import RolloutBuffer
 from rollcall.orchestrator.config import (
     BufferConfig,
@@ -146,6 +147,7 @@ class RolloutNode:
         self, database_url: str, job_id: int, config: NodeConfig, buffer: BufferConfig | None = None
     ) -> None:
         self.config = config
+        self._profile = stacks.sampler_from_env()  # ROLLCALL_PROFILE_DIR: where its CPU goes
         preload(config.engine)  # before registering: imports stall every thread (see preload)
         self.db = node_database(database_url, config)
         self.buffer = RolloutBuffer(self.db, job_id, buffer or BufferConfig())
@@ -228,6 +230,7 @@ class RolloutNode:
                 self._runs -= 1
                 if self._stop.is_set() and self._runs == 0:
                     self._beats_stop.set()
+            stacks.write_from_env(self._profile, "node")
 
     def _run(self, max_episodes: int | None, until_idle_s: float | None) -> dict[str, Any]:
         self.scheduler.run(max_episodes, until_idle_s)
@@ -264,6 +267,9 @@ class RolloutNode:
             # what the control plane costs this node: per buffer operation, its calls, wall and
             # CPU seconds and a latency histogram (orchestrator/buffer/timings.py)
             "buffer_ops": self.buffer.timings.snapshot(),
+            # the group commit of its loops' writes: transactions and the writes in them
+            "write_batches": self.buffer.group_commit.batches,
+            "writes_batched": self.buffer.group_commit.writes,
             "process_cpu_s": time.process_time(),
             "engine_error": self.breaker.engine_error,
             "weights_error": self.weights.error,
