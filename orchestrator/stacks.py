@@ -1,15 +1,15 @@
 """A sampling CPU profile of a process's threads: where a rollout node's CPU goes.
 
-Every ``interval_s`` a daemon thread reads each thread's CPU clock
-(``pthread_getcpuclockid``) and its Python stack (``sys._current_frames``); the CPU a thread
-used since the last sample is charged to its stack at this one. A thread blocked in a lock, a
-sleep or a socket uses no CPU and so is charged nothing, whatever its stack. The result is
-folded stacks (``frame;frame;... microseconds``, what flame-graph tools read) and the functions
-with the most CPU, self and total.
+Every ``interval_s`` a daemon thread reads each thread's state (``/proc/self/task/TID/stat``)
+and its Python stack (``sys._current_frames``): a thread on a CPU or waiting for one (state
+``R``) is charged the time since the last sample at that stack; a thread blocked in a lock, a
+sleep or a socket is charged nothing. The result is folded stacks (``frame;frame;...
+microseconds``, what flame-graph tools read) and the functions with the most CPU, self and
+total.
 
 A process opts in with ``ROLLCALL_PROFILE_DIR``: a rollout node started with it set writes
-``node-<pid>.folded`` and ``node-<pid>.txt`` there each time its ``run`` returns. The sampler
-costs the process a few percent of a core at the default 10 ms.
+``node-<pid>.folded`` and ``node-<pid>.txt`` there every 20 s and when its ``run`` returns. The
+sampler costs the process a few percent of a core at the default 10 ms.
 """
 
 from __future__ import annotations
@@ -31,6 +31,15 @@ def _frame_name(f: FrameType) -> str:
     return f"{code.co_qualname} ({Path(code.co_filename).name}:{code.co_firstlineno})"
 
 
+def _running(tid: int) -> bool:
+    """Whether the thread is on a CPU or waiting for one (state R), not blocked."""
+    try:
+        stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+    except OSError:  # the thread ended meanwhile
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] == "R"
+
+
 def _stack(f: FrameType | None) -> tuple[str, ...]:
     out: list[str] = []
     while f is not None and len(out) < DEPTH:
@@ -40,10 +49,14 @@ def _stack(f: FrameType | None) -> tuple[str, ...]:
 
 
 class StackSampler:
-    def __init__(self, interval_s: float = 0.01) -> None:
+    def __init__(
+        self, interval_s: float = 0.01, out: Path | None = None, write_every_s: float = 20.0
+    ) -> None:
+        """``out``: a path (without suffix) the profile so far is written to every
+        ``write_every_s`` (a process killed at its end keeps its last one)."""
         self.interval_s = interval_s
+        self.out, self.write_every_s = out, write_every_s
         self.stacks: Counter[tuple[str, ...]] = Counter()  # stack -> CPU microseconds
-        self._last: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
 
@@ -57,18 +70,20 @@ class StackSampler:
 
     def _run(self) -> None:
         me = threading.get_ident()
+        written = time.monotonic()
+        last = time.monotonic()
         while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
+            step_us, last = int((now - last) * 1e6), now  # the GIL may delay a sample
+            if self.out is not None and time.monotonic() - written > self.write_every_s:
+                self.write(self.out.parent, self.out.name)
+                written = time.monotonic()
+            native = {t.ident: t.native_id for t in threading.enumerate()}
             for ident, frame in sys._current_frames().items():
-                if ident == me:
+                tid = native.get(ident)
+                if ident == me or tid is None or not _running(tid):
                     continue
-                try:
-                    cpu = time.clock_gettime(time.pthread_getcpuclockid(ident))
-                except (OSError, ValueError):  # the thread ended meanwhile
-                    continue
-                used = cpu - self._last.get(ident, cpu)
-                self._last[ident] = cpu
-                if used > 0:
-                    self.stacks[_stack(frame)] += int(used * 1e6)
+                self.stacks[_stack(frame)] += step_us
 
     def folded(self) -> str:
         return "".join(f"{';'.join(s)} {us}\n" for s, us in self.stacks.most_common())
@@ -99,12 +114,16 @@ class StackSampler:
         (folder / f"{name}.txt").write_text(self.top())
 
 
-def sampler_from_env() -> StackSampler | None:
-    """A started sampler when ``ROLLCALL_PROFILE_DIR`` is set, else None."""
-    return StackSampler().start() if os.environ.get(PROFILE_DIR_ENV) else None
+def sampler_from_env(name: str) -> StackSampler | None:
+    """When ``ROLLCALL_PROFILE_DIR`` is set, a started sampler that writes ``<name>-<pid>``
+    there every 20 s and at ``write_from_env``; else None."""
+    folder = os.environ.get(PROFILE_DIR_ENV)
+    if not folder:
+        return None
+    return StackSampler(out=Path(folder) / f"{name}-{os.getpid()}").start()
 
 
-def write_from_env(sampler: StackSampler | None, name: str) -> None:
-    """The profile so far, as ``<name>-<pid>`` in ``ROLLCALL_PROFILE_DIR`` (sampling goes on)."""
-    if sampler is not None:
-        sampler.write(Path(os.environ[PROFILE_DIR_ENV]), f"{name}-{os.getpid()}")
+def write_from_env(sampler: StackSampler | None) -> None:
+    """The profile so far (sampling goes on)."""
+    if sampler is not None and sampler.out is not None:
+        sampler.write(sampler.out.parent, sampler.out.name)
