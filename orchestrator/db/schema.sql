@@ -241,10 +241,14 @@ CREATE TABLE trajectory_segments (
 ALTER TABLE trajectory_segments ALTER COLUMN token_ids SET STORAGE EXTERNAL;
 ALTER TABLE trajectory_segments ALTER COLUMN loss_mask SET STORAGE EXTERNAL;
 ALTER TABLE trajectory_segments ALTER COLUMN behaviour_logprobs SET STORAGE EXTERNAL;
+-- a row stays in its page up to 8 KB (a turn of up to about 900 tokens): no TOAST rows and
+-- TOAST index entries per checkpoint below that (migration 0011)
+ALTER TABLE trajectory_segments SET (toast_tuple_target = 8160);
 
 -- One call of an agent sample's record of calls, written by the checkpoint after the call
 -- (append-only); the sample's journal is entries 0 .. trajectories.journal_calls - 1 in seq
--- order (an entry past it, left by a run that started over, is never read).
+-- order (an entry past it, left by a run that started over, is never read; the next write of
+-- entries at or before it deletes it).
 CREATE TABLE agent_journal (
     task_id bigint NOT NULL,
     episode_id bigint NOT NULL,
@@ -433,7 +437,9 @@ END $$;
 -- are replaced, earlier ones kept; the segment before p_start must end at p_start, else
 -- nothing is written (outcome rebase: write again from 0). p_journal (a JSON array, or NULL for
 -- a sample with no journal apart) holds the agent journal's entries from p_journal_start on;
--- at least that many must be stored (else outcome rebase_journal: write the whole journal).
+-- at least that many must be stored (else outcome rebase_journal: write the whole journal);
+-- stored entries from p_journal_start on are replaced (deleted, then inserted: no speculative
+-- insertion per entry, migration 0011).
 -- Outcomes: written, already (committed before: an idempotent repeat), stale (the lease moved
 -- on: nothing written), rebase, rebase_journal.
 CREATE FUNCTION rollcall_write_sample(
@@ -528,14 +534,13 @@ BEGIN
             );
         END IF;
         IF jsonb_array_length(p_journal) > 0 THEN
-            INSERT INTO agent_journal AS j (
-                task_id, episode_id, sample_index, seq, lease_epoch, entry
-            )
+            DELETE FROM agent_journal j
+            WHERE j.task_id = ep.task_id AND j.episode_id = p_episode
+              AND j.sample_index = p_sample AND j.seq >= p_journal_start;
+            INSERT INTO agent_journal (task_id, episode_id, sample_index, seq, lease_epoch, entry)
             SELECT ep.task_id, p_episode, p_sample, p_journal_start + c.i::integer - 1, p_epoch,
                    c.entry
-            FROM jsonb_array_elements(p_journal) WITH ORDINALITY AS c(entry, i)
-            ON CONFLICT (task_id, episode_id, sample_index, seq) DO UPDATE SET
-                lease_epoch = excluded.lease_epoch, entry = excluded.entry;
+            FROM jsonb_array_elements(p_journal) WITH ORDINALITY AS c(entry, i);
         END IF;
     END IF;
     v_outcome := CASE WHEN n > 0 THEN 'written' ELSE 'already' END;
