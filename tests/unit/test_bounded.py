@@ -1,4 +1,4 @@
-"""What grows over a long job has a bound (docs/fault-tolerance.md, "What is bounded over a long
+"""What grows over a long job has a bound (docs/operations.md, "What is bounded over a long
 job"): the driver's log rotates by size, and the local Ray rotates its own logs."""
 
 from __future__ import annotations
@@ -71,15 +71,25 @@ def test_a_local_ray_rotates_its_logs_at_a_bound(
     monkeypatch.setattr(rayauth, "configure_local", lambda home: None)
     monkeypatch.setattr(ray, "init", lambda **kw: seen.update(os.environ))
     cfg = RollcallConfig.model_validate({"job": {"name": "bounded"}})
+    assert (cfg.ray.log_max_mb, cfg.ray.log_backups) == (50, 5)
     assert raystart.init_ray(cfg, tmp_path, Console(file=io.StringIO()))
     # Ray reads these when it starts the local cluster (ray/_private/node.py)
     assert seen["RAY_ROTATION_MAX_BYTES"] == "50000000"
     assert seen["RAY_ROTATION_BACKUP_COUNT"] == "5"
+    # ... only while it starts: a later local Ray in this process reads its own config's
+    assert "RAY_ROTATION_MAX_BYTES" not in os.environ
+    seen.clear()
+    small = RollcallConfig.model_validate(
+        {"job": {"name": "bounded"}, "ray": {"log_max_mb": 7, "log_backups": 2}}
+    )
+    raystart.init_ray(small, tmp_path, Console(file=io.StringIO()))
+    assert (seen["RAY_ROTATION_MAX_BYTES"], seen["RAY_ROTATION_BACKUP_COUNT"]) == ("7000000", "2")
     # an operator's own choice stays
     seen.clear()
     monkeypatch.setenv("RAY_ROTATION_MAX_BYTES", "1000")
     raystart.init_ray(cfg, tmp_path, Console(file=io.StringIO()))
     assert seen["RAY_ROTATION_MAX_BYTES"] == "1000"
+    assert os.environ["RAY_ROTATION_MAX_BYTES"] == "1000"
 
 
 def test_the_retention_pass_drops_old_events_with_the_configured_bounds(tmp_path: Path) -> None:
