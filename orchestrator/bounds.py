@@ -115,6 +115,7 @@ LOG_MB_DEFAULT = 20
 LOG_BACKUPS_DEFAULT = 5
 RAY_LOG_MB_DEFAULT = 50  # each of a local Ray's log files (Ray's own default: 512 MB)
 RAY_LOG_BACKUPS_DEFAULT = 5
+DEAD_WORKER_LOGS = Range(0, 1_000_000)  # exited Ray workers whose log files are kept
 RESTARTS = Range(0, 10_000)
 NODES = Range(1, 4_096)  # rollout nodes, trainer ranks, agent loops per node
 CONNECTIONS = Range(1, 1_000)  # a process's database connections

@@ -55,8 +55,9 @@ class ModelConfig(StrictModel):
 
 class RayConfig(StrictModel):
     """``address`` unset: a local Ray started for the job (``num_cpus`` caps it); otherwise the
-    cluster to join, e.g. ``ray://head:10001`` or ``auto``. The ``log_*`` bounds
-    apply to a local Ray only: a joined cluster's session is its operator's."""
+    cluster to join, e.g. ``ray://head:10001`` or ``auto``. The ``log_*`` and
+    ``dead_worker_logs*`` bounds apply to a local Ray only: a joined cluster's session is its
+    operator's."""
 
     address: str | None = Field(
         default=None,
@@ -81,4 +82,15 @@ class RayConfig(StrictModel):
         default=b.RAY_LOG_BACKUPS_DEFAULT,
         description="rotated files kept of each of a local Ray's log files; "
         "RAY_ROTATION_BACKUP_COUNT in the environment wins",
+    )
+    dead_worker_logs: Annotated[int, b.DEAD_WORKER_LOGS.field()] | None = Field(
+        default=20,
+        description="a local Ray's log files of worker processes that have exited are deleted "
+        "(every control_plane.retention_interval_s), except those of the newest this many "
+        "and those written within dead_worker_logs_s; null: all kept",
+    )
+    dead_worker_logs_s: Seconds = Field(
+        default=3_600.0,
+        description="an exited Ray worker's log files written to within this many seconds "
+        "are kept (see dead_worker_logs)",
     )

@@ -98,8 +98,8 @@ def init_ray(cfg: RollcallConfig, home: Path, console: Console) -> bool:
         if warning:
             console.print(warning, markup=False)
         # log_to_driver=False: the actors' stdout and stderr stay in Ray's session logs
-        # (/tmp/ray/session_*/logs); their errors reach the driver as exceptions of the
-        # calls. The raylet's own error messages
+        # (/tmp/ray/session_*/logs; sessionlogs.py prunes the exited workers'); their errors
+        # reach the driver as exceptions of the calls. The raylet's own error messages
         # ("(raylet) A worker died ...") are printed whatever the options: raylog sends them
         # to driver.log.
         with environment_defaults(local_env(cfg.ray)):
