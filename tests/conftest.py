@@ -352,14 +352,15 @@ def init_local_ray() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
-    from rollcall.orchestrator.runner.raystart import RAY_LOG_ROTATE_BACKUPS, RAY_LOG_ROTATE_BYTES
+    from rollcall.orchestrator.config import RayConfig
+    from rollcall.orchestrator.runner.raystart import local_env
 
-    # as the driver's local Ray: workers at niceness 0 (not 15), and its log rotation, under
-    # which Ray hands each worker's output to its log file through a pipe (a driver run in
-    # this process earlier would have set it anyway: the tests' Ray is the same whatever ran)
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    os.environ.setdefault("RAY_ROTATION_MAX_BYTES", str(RAY_LOG_ROTATE_BYTES))
-    os.environ.setdefault("RAY_ROTATION_BACKUP_COUNT", str(RAY_LOG_ROTATE_BACKUPS))
+    # as the driver's local Ray with the default config: workers at niceness 0 (not 15), and
+    # its log rotation, under which Ray hands each worker's output to its log file through a
+    # pipe. Left set for the test process (the clusters of tests/support/cluster.py too), so
+    # the tests' Ray is the same whatever ran before.
+    for name, value in local_env(RayConfig()).items():
+        os.environ.setdefault(name, value)
     ray.init(
         address="local",
         num_cpus=8,

@@ -55,7 +55,9 @@ class ModelConfig(StrictModel):
 
 class RayConfig(StrictModel):
     """``address`` unset: a local Ray started for the job (``num_cpus`` caps it); otherwise the
-    cluster to join, e.g. ``ray://head:10001`` or ``auto``."""
+    cluster to join, e.g. ``ray://head:10001`` or ``auto``. The ``log_*`` and
+    ``dead_worker_logs*`` bounds apply to a local Ray only: a joined cluster's session is its
+    operator's."""
 
     address: str | None = Field(
         default=None,
@@ -69,4 +71,26 @@ class RayConfig(StrictModel):
         default=120.0,
         description="the job's reserved resources must be placed by then at start, and a "
         "restarted trainer's ranks in their reserved slots",
+    )
+    log_max_mb: Annotated[int, b.LOG_MB.field()] = Field(
+        default=b.RAY_LOG_MB_DEFAULT,
+        description="a local Ray's log files (each worker's output, the raylet's, GCS's) "
+        "rotate when they would grow past this many MB; RAY_ROTATION_MAX_BYTES in the "
+        "environment wins; a joined cluster: set where `ray start` runs",
+    )
+    log_backups: Annotated[int, b.LOG_BACKUPS.field()] = Field(
+        default=b.RAY_LOG_BACKUPS_DEFAULT,
+        description="rotated files kept of each of a local Ray's log files; "
+        "RAY_ROTATION_BACKUP_COUNT in the environment wins",
+    )
+    dead_worker_logs: Annotated[int, b.DEAD_WORKER_LOGS.field()] | None = Field(
+        default=20,
+        description="a local Ray's log files of worker processes that have exited are deleted "
+        "(every control_plane.retention_interval_s), except those of the newest this many "
+        "and those written within dead_worker_logs_s; null: all kept",
+    )
+    dead_worker_logs_s: Seconds = Field(
+        default=3_600.0,
+        description="an exited Ray worker's log files written to within this many seconds "
+        "are kept (see dead_worker_logs)",
     )

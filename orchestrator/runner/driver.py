@@ -45,7 +45,7 @@ from rollcall.orchestrator.db.notify import GroupsListener
 from rollcall.orchestrator.domain import JobStatus, WorkerStatus
 from rollcall.orchestrator.errors import DriverFencedError, TasksPausedError, UserError
 from rollcall.orchestrator.quotas import BatchPolicy
-from rollcall.orchestrator.runner import admission, raystart, scheduler
+from rollcall.orchestrator.runner import admission, raystart, scheduler, sessionlogs
 from rollcall.orchestrator.runner.afterstep import StepBookkeeping
 from rollcall.orchestrator.runner.broadcast import Broadcaster
 from rollcall.orchestrator.runner.drift import IsWeightWatch
@@ -319,6 +319,7 @@ class JobDriver:
             supervisor=lambda: self.supervisor,
             user_errors=lambda: self.user_errors,
             say=lambda m: self.console.print(m, markup=False),
+            ray_logs=sessionlogs.pruner(self.cfg.ray, self.started_ray),
         )
         scheduler.start_jobs(s, jobs)
         self.scheduler = s

@@ -3,26 +3,50 @@ job's slots (placement groups, ``orchestrator/runner/placement.py``) before anyt
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
 from rollcall.orchestrator import rayauth
-from rollcall.orchestrator.config import RollcallConfig
+from rollcall.orchestrator.config import RayConfig, RollcallConfig
 from rollcall.orchestrator.errors import UserError
 from rollcall.orchestrator.runner import raylog, raynodes
 from rollcall.orchestrator.runner.placement import group_state
 from rollcall.orchestrator.runner.placement import reserve as reserve_slots
 
-# A local Ray's own log files (raylet, GCS, each worker's output under
-# /tmp/ray/session_*/logs) rotate at this size with this many older files kept; Ray's default
-# is 512 MB and 5 per file. An operator's RAY_ROTATION_MAX_BYTES / RAY_ROTATION_BACKUP_COUNT win.
-RAY_LOG_ROTATE_BYTES = 50_000_000
-RAY_LOG_ROTATE_BACKUPS = 5
+
+def local_env(cfg: RayConfig) -> dict[str, str]:
+    """The environment a local Ray starts with (``ray.init`` reads it, and its raylet and
+    workers inherit it): its workers at niceness 0, and its own log files (raylet, GCS, each
+    worker's output under /tmp/ray/session_*/logs) rotated at ``ray.log_max_mb`` with
+    ``ray.log_backups`` older files kept (Ray's default: 512 MB and 5 per file). Each is a
+    default: an operator's value in the environment wins."""
+    return {
+        # Ray starts its workers at niceness 15 by default: beside ordinary work (nice 0)
+        # on a busy machine the job's own actors would get next to no CPU, and heartbeats,
+        # starts and steps would stall. The job is the machine's work: run them at 0.
+        "RAY_worker_niceness": "0",
+        "RAY_ROTATION_MAX_BYTES": str(cfg.log_max_mb * 1_000_000),
+        "RAY_ROTATION_BACKUP_COUNT": str(cfg.log_backups),
+    }
+
+
+@contextlib.contextmanager
+def environment_defaults(env: dict[str, str]) -> Iterator[None]:
+    """``env``'s variables that the environment lacks, set for the block and removed after it
+    (a later local Ray in this process reads its own config's)."""
+    added = {k: v for k, v in env.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def start(cfg: RollcallConfig, home: Path, console: Console) -> tuple[bool, Callable[[], None]]:
@@ -73,23 +97,19 @@ def init_ray(cfg: RollcallConfig, home: Path, console: Console) -> bool:
         warning = rayauth.configure_local(home)
         if warning:
             console.print(warning, markup=False)
-        # Ray starts its workers at niceness 15 by default: beside ordinary work (nice 0)
-        # on a busy machine the job's own actors would get next to no CPU, and heartbeats,
-        # starts and steps would stall. The job is the machine's work: run them at 0.
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        os.environ.setdefault("RAY_ROTATION_MAX_BYTES", str(RAY_LOG_ROTATE_BYTES))
-        os.environ.setdefault("RAY_ROTATION_BACKUP_COUNT", str(RAY_LOG_ROTATE_BACKUPS))
         # log_to_driver=False: the actors' stdout and stderr stay in Ray's session logs
-        # (/tmp/ray/session_*/logs); their errors reach the driver as exceptions of the
-        # calls. The raylet's own error messages ("(raylet) A worker died ...") are printed
-        # whatever the options: raylog sends them to driver.log.
-        ray.init(
-            address="local",  # a new local Ray, never one left behind by `ray start`
-            num_cpus=cfg.ray.num_cpus,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
+        # (/tmp/ray/session_*/logs; sessionlogs.py prunes the exited workers'); their errors
+        # reach the driver as exceptions of the calls. The raylet's own error messages
+        # ("(raylet) A worker died ...") are printed whatever the options: raylog sends them
+        # to driver.log.
+        with environment_defaults(local_env(cfg.ray)):
+            ray.init(
+                address="local",  # a new local Ray, never one left behind by `ray start`
+                num_cpus=cfg.ray.num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
         return True
     return False
 

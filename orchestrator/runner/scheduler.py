@@ -68,11 +68,14 @@ def control_plane_jobs(
     supervisor: Callable[[], Supervisor | None],
     user_errors: Callable[[], UserErrorReport | None],
     say: Callable[[str], None],
+    ray_logs: Callable[[], Any] | None = None,
 ) -> list[tuple[Callable[[], Any], float, str]]:
     """The driver's control-plane jobs (function, interval in seconds, name): seeding, the
     lease sweep, staleness expiry, the dead-worker sweep, the rollout nodes' supervision (a job
     of its own, so it never waits on the driver's loop: a trainer call may take up to
-    ``trainer.call_timeout_s``), retention and the report of user-code failures.
+    ``trainer.call_timeout_s``), retention, the report of user-code failures and, given
+    ``ray_logs`` (``sessionlogs.pruner``: a local Ray the driver started), the pruning of its
+    exited workers' log files at the retention interval.
     ``supervisor`` and ``user_errors`` are read at each run (set up after the scheduler)."""
     cp = cfg.control_plane
 
@@ -94,7 +97,7 @@ def control_plane_jobs(
         if (report := user_errors()) is not None:
             report.poll()
 
-    return [
+    jobs: list[tuple[Callable[[], Any], float, str]] = [
         (control.seed, cp.seed_interval_s, "seed"),
         (control.sweep_expired_leases, cp.lease_sweep_interval_s, "lease-sweep"),
         (control.expire_stale, cp.staleness_interval_s, "staleness-expiry"),
@@ -103,3 +106,6 @@ def control_plane_jobs(
         (retention, cp.retention_interval_s, "payload-retention"),
         (report_user_errors, USER_ERRORS_INTERVAL_S, "user-errors"),
     ]
+    if ray_logs is not None:
+        jobs.append((ray_logs, cp.retention_interval_s, "ray-log-prune"))
+    return jobs
