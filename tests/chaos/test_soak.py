@@ -5,7 +5,8 @@ lost or duplicated, the invariants, no orphan process, the resources sampled and
 Per push, the three kinds no other per-push test injects: a tool process killed mid-call,
 PostgreSQL crashed (immediate mode), and the driver's SIGKILL with ``rollcall run --resume``.
 The others have their per-push tests elsewhere: rollout SIGKILL and SIGSTOP and the trainer's
-SIGKILL in tests/chaos/test_drills.py, a lost Ray machine in tests/chaos/test_node_loss.py.
+SIGKILL in tests/chaos/test_drills.py, a lost Ray machine in tests/chaos/test_elastic_fleet.py
+(the kill-node drill; tests/chaos/test_node_loss.py is in the long tier).
 The long tier (``pytest -m long``) runs every kind once here. The EngineCore's faults need
 vLLM and are in tests/vllm/test_vllm_job.py; the long soak with them is ``ops/soak.py --hours
 H`` (docs/fault-tolerance.md)."""
