@@ -164,6 +164,8 @@ class TrajectoryRepository:
         made again, in the same transaction, with its whole journal."""
         if not writes:
             return []
+        if len(writes) == 1:  # one statement, not a pipeline (cheaper for the client)
+            return [self.write_sample(**writes[0]._asdict())]
         out = self._write_many([_write_params(*w) for w in writes])
         again = [i for i, (outcome, _) in enumerate(out) if outcome == _REBASE_JOURNAL]
         if again:
