@@ -147,7 +147,7 @@ class RolloutNode:
         self, database_url: str, job_id: int, config: NodeConfig, buffer: BufferConfig | None = None
     ) -> None:
         self.config = config
-        self._profile = stacks.sampler_from_env()  # ROLLCALL_PROFILE_DIR: where its CPU goes
+        self._profile = stacks.sampler_from_env("node")  # ROLLCALL_PROFILE_DIR: where its CPU goes
         preload(config.engine)  # before registering: imports stall every thread (see preload)
         self.db = node_database(database_url, config)
         self.buffer = RolloutBuffer(self.db, job_id, buffer or BufferConfig())
@@ -230,7 +230,7 @@ class RolloutNode:
                 self._runs -= 1
                 if self._stop.is_set() and self._runs == 0:
                     self._beats_stop.set()
-            stacks.write_from_env(self._profile, "node")
+            stacks.write_from_env(self._profile)
 
     def _run(self, max_episodes: int | None, until_idle_s: float | None) -> dict[str, Any]:
         self.scheduler.run(max_episodes, until_idle_s)
