@@ -305,11 +305,6 @@ class Episode(Base):
         ),
         Index("ix_episodes_task_id_status", "task_id", "status"),
         Index("ix_episodes_job_id_status", "job_id", "status"),
-        Index(
-            "ix_episodes_lease_expires_at",
-            "lease_expires_at",
-            postgresql_where=text("status = 'leased'"),
-        ),
         Index("ix_episodes_queued", "task_id", "id", postgresql_where=text("status = 'queued'")),
         Index("ix_episodes_lease_owner", "lease_owner", postgresql_where=text("status = 'leased'")),
         Index("ix_episodes_task_id_leased_at", "task_id", "leased_at"),

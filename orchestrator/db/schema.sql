@@ -174,7 +174,6 @@ CREATE TABLE episodes (
 CREATE INDEX ix_episodes_job_id_status ON episodes (job_id, status);
 CREATE INDEX ix_episodes_task_id_status ON episodes (task_id, status);
 CREATE INDEX ix_episodes_task_id_leased_at ON episodes (task_id, leased_at);
-CREATE INDEX ix_episodes_lease_expires_at ON episodes (lease_expires_at) WHERE status = 'leased';
 CREATE INDEX ix_episodes_lease_owner ON episodes (lease_owner) WHERE status = 'leased';
 CREATE INDEX ix_episodes_queued ON episodes (task_id, id) WHERE status = 'queued';
 CREATE INDEX ix_episodes_ready ON episodes (task_id, finished_at)
