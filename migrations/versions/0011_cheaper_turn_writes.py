@@ -71,9 +71,11 @@ def upgrade() -> None:
     op.execute(_write_fn(NEW_JOURNAL))
     op.execute("ALTER TABLE trajectory_segments SET (toast_tuple_target = 8160)")
     op.execute("DROP INDEX ix_episodes_lease_expires_at")
+    op.execute("ALTER TABLE episodes SET (fillfactor = 80)")  # room for those updates
 
 
 def downgrade() -> None:
+    op.execute("ALTER TABLE episodes RESET (fillfactor)")
     op.execute(
         "CREATE INDEX ix_episodes_lease_expires_at ON episodes (lease_expires_at) "
         "WHERE status = 'leased'"

@@ -171,6 +171,9 @@ CREATE TABLE episodes (
     CONSTRAINT ck_episodes_lease_iff_leased
         CHECK ((status = 'leased') = (lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL))
 );
+-- room in each page for the new versions of its rows (a lease renewal at every heartbeat is a
+-- HOT update when the page has room; migration 0011)
+ALTER TABLE episodes SET (fillfactor = 80);
 CREATE INDEX ix_episodes_job_id_status ON episodes (job_id, status);
 CREATE INDEX ix_episodes_task_id_status ON episodes (task_id, status);
 CREATE INDEX ix_episodes_task_id_leased_at ON episodes (task_id, leased_at);
