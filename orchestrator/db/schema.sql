@@ -172,7 +172,7 @@ CREATE TABLE episodes (
         CHECK ((status = 'leased') = (lease_owner IS NOT NULL AND lease_expires_at IS NOT NULL))
 );
 -- room in each page for the new versions of its rows (a lease renewal at every heartbeat is a
--- HOT update when the page has room; migration 0011)
+-- HOT update when the page has room; migration 0012)
 ALTER TABLE episodes SET (fillfactor = 80);
 CREATE INDEX ix_episodes_job_id_status ON episodes (job_id, status);
 CREATE INDEX ix_episodes_task_id_status ON episodes (task_id, status);
@@ -244,7 +244,7 @@ ALTER TABLE trajectory_segments ALTER COLUMN token_ids SET STORAGE EXTERNAL;
 ALTER TABLE trajectory_segments ALTER COLUMN loss_mask SET STORAGE EXTERNAL;
 ALTER TABLE trajectory_segments ALTER COLUMN behaviour_logprobs SET STORAGE EXTERNAL;
 -- a row stays in its page up to 8 KB (a turn of up to about 900 tokens): no TOAST rows and
--- TOAST index entries per checkpoint below that (migration 0011)
+-- TOAST index entries per checkpoint below that (migration 0012)
 ALTER TABLE trajectory_segments SET (toast_tuple_target = 8160);
 
 -- One call of an agent sample's record of calls, written by the checkpoint after the call
@@ -441,7 +441,7 @@ END $$;
 -- a sample with no journal apart) holds the agent journal's entries from p_journal_start on;
 -- at least that many must be stored (else outcome rebase_journal: write the whole journal);
 -- stored entries from p_journal_start on are replaced (deleted, then inserted: no speculative
--- insertion per entry, migration 0011).
+-- insertion per entry, migration 0012).
 -- Outcomes: written, already (committed before: an idempotent repeat), stale (the lease moved
 -- on: nothing written), rebase, rebase_journal.
 CREATE FUNCTION rollcall_write_sample(

@@ -11,8 +11,8 @@ episodes by ``ix_episodes_job_id_status``), so the renewal changes no indexed co
 HOT update. In the 4 x 64 pipeline, renewals were 11,000 of 11,500 updates of ``episodes``, none
 of them HOT, each adding an entry to the table's nine indexes.
 
-Revision ID: 0011
-Revises: 0010
+Revision ID: 0012
+Revises: 0011
 Create Date: 2026-12-08
 """
 
@@ -25,8 +25,8 @@ from types import ModuleType
 
 from alembic import op
 
-revision: str = "0011"
-down_revision: str | None = "0010"
+revision: str = "0012"
+down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
