@@ -1,6 +1,11 @@
 """The queries of the invariant checker: each returns the rows that violate one invariant of
 docs/architecture.md for a job (at most ``limit``), so an empty result means the invariant
-holds."""
+holds.
+
+They read the job's live rows, which metadata retention bounds (``rollcall_compact_steps``
+never compacts a row a check would flag, so the live rows hold every violation), and the
+compacted totals where a check counts over the whole job (``trained_once``: the samples its
+steps trained against those consumed, compacted ones included)."""
 
 from __future__ import annotations
 
@@ -37,15 +42,19 @@ CHECKS: dict[str, tuple[str, str]] = {
         WHERE job_id = :j AND consumed_step IS NOT NULL
         GROUP BY task_id, prompt_index HAVING count(*) > 1
         UNION ALL
-        SELECT NULL, NULL, abs(
-            (SELECT coalesce(sum(num_trajectories), 0) FROM train_steps WHERE job_id = :j) -
-            (SELECT count(*) FROM trajectories tr JOIN episodes e
-               ON e.id = tr.episode_id AND e.task_id = tr.task_id
-             WHERE e.job_id = :j AND tr.status = 'consumed'))
-        WHERE (SELECT coalesce(sum(num_trajectories), 0) FROM train_steps WHERE job_id = :j) <>
-              (SELECT count(*) FROM trajectories tr JOIN episodes e
-                 ON e.id = tr.episode_id AND e.task_id = tr.task_id
-               WHERE e.job_id = :j AND tr.status = 'consumed')
+        SELECT NULL, NULL, abs(t.stepped - t.consumed) FROM (
+            SELECT coalesce(c.step_trajectories, 0) + (
+                       SELECT coalesce(sum(s.num_trajectories), 0) FROM train_steps s
+                       WHERE s.job_id = :j AND s.step > coalesce(c.through_step, -1)
+                   ) AS stepped,
+                   coalesce(c.consumed_trajectories, 0) + (
+                       SELECT count(*) FROM trajectories tr JOIN episodes e
+                         ON e.id = tr.episode_id AND e.task_id = tr.task_id
+                       WHERE e.job_id = :j AND tr.status = 'consumed'
+                   ) AS consumed
+            FROM (SELECT 1) one LEFT JOIN compacted_steps c ON c.job_id = :j
+        ) t
+        WHERE t.stepped <> t.consumed
         LIMIT :limit
         """,
     ),
