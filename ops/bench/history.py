@@ -29,8 +29,11 @@ an operation under 3 ms on both counts 1.0, and a 2 ms one that becomes 3 ms pas
 every ratio at most 1.5. Also reported: each database's size, the compaction passes' time,
 and the bytes a further day adds (the per-step summaries: a ``train_steps`` row per step).
 
+With ``--no-retention`` the aged job is every step's full rows, nothing compacted (what a job
+of that age held before migration 0011): the same operations then cost what its age costs.
+
 Usage: python ops/bench/history.py [--days 14] [--steps-per-hour 540] [--samples-per-step 48]
-       [--group-size 8] [--fresh-hours 1] [--repeats 15] [--quick] [--json]
+       [--group-size 8] [--fresh-hours 1] [--repeats 15] [--quick] [--no-retention] [--json]
 ``--quick``: 2 days and 5 repeats, for a smoke run. Prints a table, and with ``--json`` one
 JSON object as the last line.
 """
@@ -355,11 +358,17 @@ def add_in_flight(conn: sa.Connection, job: int, tasks: list[int], workers: list
 
 
 def synthesize(
-    url: str, hours: float, shape: Shape, compacted: bool, keep_steps: int | None = None
+    url: str,
+    hours: float,
+    shape: Shape,
+    compacted: bool,
+    keep_steps: int | None = None,
+    retention: bool = True,
 ) -> dict[str, Any]:
     """One job of ``hours`` (with ``compacted``: the steps before the last FULL_HOURS as
     retention leaves them, then the retention passes over the older full hour, keeping
-    ``keep_steps``: ``buffer.metadata_retention_steps``, its default unless given)."""
+    ``keep_steps``: ``buffer.metadata_retention_steps``, its default unless given; without
+    ``retention``, none: every step's rows stay, as before metadata retention)."""
     total = int(hours * shape.steps_per_hour)
     full = min(total, FULL_HOURS * shape.steps_per_hour) if compacted else total
     t0 = time.perf_counter()
@@ -382,9 +391,8 @@ def synthesize(
         "synthesis_s": round(time.perf_counter() - t0, 1),
     }
     db = open_database(url)
-    config = (
-        BufferConfig() if keep_steps is None else BufferConfig(metadata_retention_steps=keep_steps)
-    )
+    keep = BufferConfig().metadata_retention_steps if keep_steps is None else keep_steps
+    config = BufferConfig(metadata_retention_steps=keep if retention else None)
     control = ControlPlaneBuffer(db, job, config)
     t1, passes, compacted_episodes = time.perf_counter(), [], 0
     while True:
@@ -525,6 +533,12 @@ def main() -> None:
     ap.add_argument("--fresh-hours", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="2 days, 5 repeats: a smoke run")
+    ap.add_argument(
+        "--no-retention",
+        action="store_true",
+        help="the aged job without metadata retention (every step's rows kept, as before "
+        "migration 0011): what its age costs then; use a shorter --days",
+    )
     ap.add_argument("--json", action="store_true", help="one JSON object as the last line")
     args = ap.parse_args()
     if args.quick:
@@ -539,6 +553,7 @@ def main() -> None:
         "steps_per_hour": shape.steps_per_hour,
         "samples_per_step": shape.samples_per_step,
         "fresh_hours": args.fresh_hours,
+        "retention": not args.no_retention,
         "floor_ms": FLOOR_MS,
         "cpus": os.cpu_count(),
         "load_before": os.getloadavg()[0],
@@ -563,7 +578,14 @@ def main() -> None:
         hours = {"aged": args.days * 24, "fresh": args.fresh_hours}
         jobs = {}
         for name, url in urls.items():
-            jobs[name] = synthesize(url, hours[name], shape, compacted=name == "aged")
+            aged = name == "aged"
+            jobs[name] = synthesize(
+                url,
+                hours[name],
+                shape,
+                compacted=aged and not args.no_retention,
+                retention=not (aged and args.no_retention),
+            )
             jobs[name]["bytes"] = sizes(url)
             print(f"# {name}: {json.dumps(jobs[name])}", flush=True)
         result["jobs"] = jobs
