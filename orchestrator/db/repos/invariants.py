@@ -45,7 +45,7 @@ CHECKS: dict[str, tuple[str, str]] = {
         SELECT NULL, NULL, abs(t.stepped - t.consumed) FROM (
             SELECT coalesce(c.step_trajectories, 0) + (
                        SELECT coalesce(sum(s.num_trajectories), 0) FROM train_steps s
-                       WHERE s.job_id = :j AND s.step > coalesce(c.through_step, -1)
+                       WHERE s.job_id = :j AND s.step > :through
                    ) AS stepped,
                    coalesce(c.consumed_trajectories, 0) + (
                        SELECT count(*) FROM trajectories tr JOIN episodes e
@@ -99,13 +99,21 @@ CHECKS: dict[str, tuple[str, str]] = {
 }
 
 
+_THROUGH = text("SELECT through_step FROM compacted_steps WHERE job_id = :j")
+
+
 class InvariantRepository:
     def __init__(self, session: Session) -> None:
         self.session = session
 
     def violations(self, job_id: int, check: str, limit: int = 20) -> list[dict[str, Any]]:
         sql = CHECKS[check][1]
-        rows = self.session.execute(text(sql), {"j": job_id, "limit": limit}).all()
+        # the last compacted step as a value, not a join's column: planned with it, the range
+        # of steps after it is an index scan (as a column, a scan of every step: 28 ms at a
+        # week's 90,000 steps)
+        through = self.session.execute(_THROUGH, {"j": job_id}).scalar()
+        params = {"j": job_id, "limit": limit, "through": -1 if through is None else through}
+        rows = self.session.execute(text(sql), params).all()
         return [dict(r._asdict()) for r in rows]
 
     def samples_of_worker(self, worker_id: int) -> list[dict[str, Any]]:
