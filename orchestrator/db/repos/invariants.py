@@ -14,7 +14,8 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-# name -> (what it checks, the violating rows for job :j)
+# name -> (what it checks, the violating rows for job :j, at most :limit; :through is the last
+# step metadata retention compacted, -1 for none: InvariantRepository.violations reads it)
 CHECKS: dict[str, tuple[str, str]] = {
     "episode_state": (
         "every episode is in one state and its samples agree with it",
