@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 # Steps whose payloads one retention pass drops at most (a job that turns retention on late
 # catches up over several passes instead of one long transaction).
 RETENTION_STEPS_PER_PASS = 20
+# Metadata retention (``buffer.metadata_retention_steps``) never compacts a step committed in
+# the last hour, whatever the window: a drill's or a soak's accounting reads the rows of the
+# episodes it watched minutes after the fault; and compacts at most this many steps per pass.
+METADATA_MIN_AGE_S = 3_600.0
+COMPACT_STEPS_PER_PASS = 50
 
 
 @dataclass(frozen=True)
@@ -223,6 +228,21 @@ class ControlPlaneBuffer(BufferBase):
             dropped = tx.trajectories.drop_payloads(self.job_id, self._retained_through, through)
         self._retained_through = through
         return dropped
+
+    @timed
+    @retry_transient
+    def compact_metadata(
+        self, min_age_s: float = METADATA_MIN_AGE_S, max_steps: int = COMPACT_STEPS_PER_PASS
+    ) -> int:
+        """Metadata retention (``buffer.metadata_retention_steps``): the row-level detail of
+        steps older than the window, and of groups that ended before them, compacted into
+        totals (``HistoryRepository.compact``), at most ``max_steps`` steps per call. Returns
+        the episodes compacted."""
+        keep = self.config.metadata_retention_steps
+        if keep is None:
+            return 0
+        with self.db.transaction() as tx:
+            return tx.history.compact(self.job_id, keep, min_age_s, max_steps)
 
     @timed
     @retry_transient

@@ -377,6 +377,12 @@ def render_buffer(doc: dict[str, Any]) -> Any:
         Text(
             f"storage: {st['trajectories']} trajectories, {st['payloads_dropped']} payloads "
             "dropped by retention"
+            + (
+                f"; {st['compacted_trajectories']} more compacted (steps through "
+                f"{st['compacted_through_step']})"
+                if st.get("compacted_trajectories")
+                else ""
+            )
         ),
         Text(
             f"payloads: {st['segments']} segments, {_bytes(st['payload_bytes'])}; database "

@@ -46,6 +46,14 @@ class BufferConfig(StrictModel):
         description="also drop the payloads of steps committed longer ago than this; null: no "
         "age limit",
     )
+    metadata_retention_steps: Annotated[int, b.RETENTION_STEPS.field()] | None = Field(
+        default=200,
+        description="metadata retention: the episodes and samples trained this many steps "
+        "ago (and never in the last hour), and the expired episodes that ended before then, "
+        "are compacted into per-task totals, their rows deleted; the per-step summaries "
+        "(train_steps) and quarantined episodes stay, and status, metrics and the invariant "
+        "checks answer as before; null: kept",
+    )
 
     @property
     def retry_window(self) -> float:

@@ -28,6 +28,7 @@ from rollcall.orchestrator.db.repos.batches import BatchRepository
 from rollcall.orchestrator.db.repos.episodes import EpisodeRepository
 from rollcall.orchestrator.db.repos.events import EventRepository
 from rollcall.orchestrator.db.repos.fleet import FleetRepository
+from rollcall.orchestrator.db.repos.history import HistoryRepository
 from rollcall.orchestrator.db.repos.invariants import InvariantRepository
 from rollcall.orchestrator.db.repos.jobs import JobRepository
 from rollcall.orchestrator.db.repos.monitoring import MonitoringRepository
@@ -79,6 +80,7 @@ class Tx:
     invariants: InvariantRepository
     monitoring: MonitoringRepository
     fleet: FleetRepository
+    history: HistoryRepository
 
 
 class Database:
@@ -195,6 +197,7 @@ def _tx(session: Session) -> Tx:
         invariants=InvariantRepository(session),
         monitoring=MonitoringRepository(session),
         fleet=FleetRepository(session),
+        history=HistoryRepository(session),
     )
 
 

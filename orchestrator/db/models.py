@@ -320,6 +320,19 @@ class Episode(Base):
             "claimed_step",
             postgresql_where=text("claimed_step IS NOT NULL AND consumed_step IS NULL"),
         ),
+        # metadata retention (rollcall_compact_steps) and the invariant checks' bounded reads
+        Index(
+            "ix_episodes_consumed_step",
+            "job_id",
+            "consumed_step",
+            postgresql_where=text("consumed_step IS NOT NULL"),
+        ),
+        Index("ix_episodes_task_id_prompt_index", "task_id", "prompt_index"),
+        Index(
+            "ix_episodes_requeued_from",
+            "requeued_from",
+            postgresql_where=text("requeued_from IS NOT NULL"),
+        ),
     )
 
 
@@ -381,6 +394,8 @@ class Trajectory(Base):
             "(status IN ('ready', 'claimed', 'consumed')) <= (reward IS NOT NULL)",
             name="reward_when_ready",
         ),
+        # the foreign key's check when metadata retention deletes an episode
+        Index("ix_trajectories_episode_id", "episode_id"),
         {"postgresql_partition_by": "LIST (task_id)"},
     )
 
@@ -478,3 +493,39 @@ class Event(Base):
         Index("ix_events_job_id_created_at", "job_id", "created_at"),
         Index("ix_events_kind_created_at", "kind", "created_at"),
     )
+
+
+class CompactedSteps(Base):
+    """Metadata retention (``rollcall_compact_steps``): per job, what its compacted steps
+    (every step through ``through_step``) added up to; their rows are gone."""
+
+    __tablename__ = "compacted_steps"
+
+    job_id: Mapped[int] = mapped_column(
+        ForeignKey("jobs.id", ondelete="RESTRICT"), primary_key=True
+    )
+    through_step: Mapped[int] = mapped_column(Integer, nullable=False, server_default="-1")
+    steps: Mapped[int] = _counter()
+    step_trajectories: Mapped[int] = _counter()  # their train_steps.num_trajectories
+    consumed_trajectories: Mapped[int] = _counter()  # consumed samples deleted
+    episodes: Mapped[int] = _counter()
+    trajectories: Mapped[int] = _counter()
+    updated_at: Mapped[datetime] = _updated()
+
+
+class CompactedEpisodes(Base):
+    """Metadata retention: per task, the deleted episodes by end state (``consumed``,
+    ``expired``) and a consumed group's staleness (-1: none)."""
+
+    __tablename__ = "compacted_episodes"
+
+    job_id: Mapped[int] = mapped_column(
+        ForeignKey("jobs.id", ondelete="RESTRICT"), nullable=False, index=True
+    )
+    task_id: Mapped[int] = mapped_column(
+        ForeignKey("tasks.id", ondelete="RESTRICT"), primary_key=True
+    )
+    state: Mapped[str] = mapped_column(String(16), primary_key=True)
+    staleness: Mapped[int] = mapped_column(Integer, primary_key=True)
+    episodes: Mapped[int] = _counter()
+    samples: Mapped[int] = _counter()

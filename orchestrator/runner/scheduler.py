@@ -88,9 +88,11 @@ def control_plane_jobs(
             sup.check()
 
     def retention() -> None:
-        """Old payloads (``buffer.payload_retention_*``), then old events
+        """Old payloads (``buffer.payload_retention_*``), old steps' metadata
+        (``buffer.metadata_retention_steps``), then old events
         (``control_plane.event_retention_*``)."""
         control.drop_old_payloads()
+        control.compact_metadata()
         control.drop_old_events(cp.event_retention_s, cp.event_retention_count)
 
     def report_user_errors() -> None:

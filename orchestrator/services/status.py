@@ -375,6 +375,12 @@ def buffer_stats(tx: Tx, job_name: str | None) -> dict[str, Any]:
         )
     steps = snap.job.policy_version
     storage = tx.trajectories.storage(job.id)
+    compacted = tx.history.totals(job.id)
+    storage |= {
+        "compacted_through_step": compacted.through_step,
+        "compacted_episodes": compacted.episodes,
+        "compacted_trajectories": compacted.trajectories,
+    }
     sizes = table_sizes(tx.session)
     return {
         "job": job.name,

@@ -47,6 +47,8 @@ REFUSED = [
     "TRUNCATE events",
     "DELETE FROM train_steps",
     "DELETE FROM events",  # the audit log: pruned only by its retention rule
+    "DELETE FROM trajectories",  # metadata: compacted only by its retention rule
+    "DELETE FROM compacted_steps",
 ]
 
 
@@ -121,7 +123,7 @@ def test_runtime_role_runs_a_job_s_database_work_and_is_refused_ddl(
         with db.transaction() as tx:
             assert tx.session.execute(sa.text("SELECT current_user")).scalar() == RUNTIME
         ids = add_tasks(db, {"name": "a", "max_staleness": 1}, {"name": "b", "max_staleness": 1})
-        buf = make_buffer(db, batch_groups=2, payload_retention_steps=0)
+        buf = make_buffer(db, batch_groups=2, payload_retention_steps=0, metadata_retention_steps=0)
         assert sum(buf.seed().values()) > 0
         w = buf.register_worker("rollout-0", host="h", pid=1)
         claim = buf.claim(w.id)
@@ -145,6 +147,9 @@ def test_runtime_role_runs_a_job_s_database_work_and_is_refused_ddl(
         # and ages the audit log out (through rollcall_drop_old_events: it has no DELETE on
         # events), the newest of a kind kept
         assert buf.drop_old_events(3_600.0, 1_000) == 2
+        # and compacts the metadata of old steps (through rollcall_compact_steps: it has no
+        # DELETE on episodes or trajectories): step 0's two groups
+        assert buf.compact_metadata(min_age_s=0) == 2
         buf.expire_stale()
         buf.sweep_expired_leases()
         buf.sweep_dead_workers(10.0, 30.0)

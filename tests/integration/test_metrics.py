@@ -331,6 +331,18 @@ def test_metrics_scraped_during_a_short_job(
     # status during the job: running, and it names the endpoint
     assert statuses and statuses[0]["job"]["running"] is True
     assert statuses[0]["job"]["metrics_url"] == url
+    # metadata retention on the ended job (every step but the last, the hour's guard off):
+    # status, metrics, depth and invariants read the same from the totals
+    from rollcall.orchestrator.buffer.control import ControlPlaneBuffer
+    from rollcall.orchestrator.config import BufferConfig
+    from tests.integration.test_compaction import picture
+
+    job_id = rows(engine, "SELECT id FROM jobs WHERE name = 'e2e'")[0][0]
+    before = picture(db, job_id, "e2e")
+    assert not any(before["invariants"].values())
+    control = ControlPlaneBuffer(db, job_id, BufferConfig(metadata_retention_steps=1))
+    assert control.compact_metadata(min_age_s=0) > 0
+    assert picture(db, job_id, "e2e") == before
 
 
 class _ReportingNode:

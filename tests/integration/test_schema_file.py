@@ -157,6 +157,7 @@ def test_the_schema_file_is_what_the_migrations_produce(db_url: str, empty_db_ur
         "rollcall_claim",
         "rollcall_write_sample",
         "rollcall_drop_old_events",
+        "rollcall_compact_steps",
     }
 
 

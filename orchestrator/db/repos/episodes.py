@@ -264,13 +264,18 @@ class EpisodeRepository:
                 SELECT CASE WHEN status = 'done' AND consumed_step IS NOT NULL THEN 'consumed'
                             WHEN status = 'done' AND claimed_step IS NOT NULL THEN 'claimed'
                             WHEN status = 'done' THEN 'ready'
-                            ELSE status::text END AS s, count(*)
+                            ELSE status::text END AS s, count(*) AS n
                 FROM episodes WHERE job_id = :j GROUP BY 1
+                UNION ALL
+                SELECT state, sum(episodes) FROM compacted_episodes WHERE job_id = :j GROUP BY 1
                 """
             ),
             {"j": job_id},
         ).all()
-        return {r[0]: int(r[1]) for r in rows}
+        out: dict[str, int] = {}
+        for r in rows:  # live episodes, and those metadata retention compacted
+            out[r[0]] = out.get(r[0], 0) + int(r[1])
+        return out
 
     # -- requeue and quarantine --------------------------------------------------------------
 

@@ -1,6 +1,11 @@
 """The queries of the invariant checker: each returns the rows that violate one invariant of
 docs/architecture.md for a job (at most ``limit``), so an empty result means the invariant
-holds."""
+holds.
+
+They read the job's live rows, which metadata retention bounds (``rollcall_compact_steps``
+never compacts a row a check would flag, so the live rows hold every violation), and the
+compacted totals where a check counts over the whole job (``trained_once``: the samples its
+steps trained against those consumed, compacted ones included)."""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-# name -> (what it checks, the violating rows for job :j)
+# name -> (what it checks, the violating rows for job :j, at most :limit; :through is the last
+# step metadata retention compacted, -1 for none: InvariantRepository.violations reads it)
 CHECKS: dict[str, tuple[str, str]] = {
     "episode_state": (
         "every episode is in one state and its samples agree with it",
@@ -37,15 +43,19 @@ CHECKS: dict[str, tuple[str, str]] = {
         WHERE job_id = :j AND consumed_step IS NOT NULL
         GROUP BY task_id, prompt_index HAVING count(*) > 1
         UNION ALL
-        SELECT NULL, NULL, abs(
-            (SELECT coalesce(sum(num_trajectories), 0) FROM train_steps WHERE job_id = :j) -
-            (SELECT count(*) FROM trajectories tr JOIN episodes e
-               ON e.id = tr.episode_id AND e.task_id = tr.task_id
-             WHERE e.job_id = :j AND tr.status = 'consumed'))
-        WHERE (SELECT coalesce(sum(num_trajectories), 0) FROM train_steps WHERE job_id = :j) <>
-              (SELECT count(*) FROM trajectories tr JOIN episodes e
-                 ON e.id = tr.episode_id AND e.task_id = tr.task_id
-               WHERE e.job_id = :j AND tr.status = 'consumed')
+        SELECT NULL, NULL, abs(t.stepped - t.consumed) FROM (
+            SELECT coalesce(c.step_trajectories, 0) + (
+                       SELECT coalesce(sum(s.num_trajectories), 0) FROM train_steps s
+                       WHERE s.job_id = :j AND s.step > :through
+                   ) AS stepped,
+                   coalesce(c.consumed_trajectories, 0) + (
+                       SELECT count(*) FROM trajectories tr JOIN episodes e
+                         ON e.id = tr.episode_id AND e.task_id = tr.task_id
+                       WHERE e.job_id = :j AND tr.status = 'consumed'
+                   ) AS consumed
+            FROM (SELECT 1) one LEFT JOIN compacted_steps c ON c.job_id = :j
+        ) t
+        WHERE t.stepped <> t.consumed
         LIMIT :limit
         """,
     ),
@@ -90,13 +100,21 @@ CHECKS: dict[str, tuple[str, str]] = {
 }
 
 
+_THROUGH = text("SELECT through_step FROM compacted_steps WHERE job_id = :j")
+
+
 class InvariantRepository:
     def __init__(self, session: Session) -> None:
         self.session = session
 
     def violations(self, job_id: int, check: str, limit: int = 20) -> list[dict[str, Any]]:
         sql = CHECKS[check][1]
-        rows = self.session.execute(text(sql), {"j": job_id, "limit": limit}).all()
+        # the last compacted step as a value, not a join's column: planned with it, the range
+        # of steps after it is an index scan (as a column, a scan of every step: 28 ms at a
+        # week's 90,000 steps)
+        through = self.session.execute(_THROUGH, {"j": job_id}).scalar()
+        params = {"j": job_id, "limit": limit, "through": -1 if through is None else through}
+        rows = self.session.execute(text(sql), params).all()
         return [dict(r._asdict()) for r in rows]
 
     def samples_of_worker(self, worker_id: int) -> list[dict[str, Any]]:

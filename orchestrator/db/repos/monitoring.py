@@ -1,7 +1,8 @@
 """Read-only aggregates for operators: ``rollcall status``, ``worker list``, ``buffer stats``,
 ``events`` and the Prometheus exporter. Nothing here writes; every age is measured on the
-database clock. The aggregates scan a job's episodes with ``GROUP BY`` (the same cost as the
-driver's per-step buffer depth), so callers poll them every few seconds, not per claim.
+database clock. The aggregates scan a job's live episodes with ``GROUP BY`` and add what
+metadata retention compacted (``compacted_episodes``, ``compacted_steps``): their cost follows
+the retention window, not the job's age. Callers poll them every few seconds, not per claim.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ _EPISODE_STATE = """
          WHEN status = 'done' THEN 'ready'
          ELSE status::text END
 """
+# what metadata retention compacted, by task and end state (the same columns)
+_COMPACTED_STATES = (
+    "SELECT task_id, state AS s, sum(episodes) AS n, sum(samples) AS samples "
+    "FROM compacted_episodes WHERE job_id = :j GROUP BY 1, 2"
+)
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,8 @@ class MonitoringRepository:
                 SELECT j.name FROM jobs j
                 ORDER BY greatest(
                     j.created_at,
-                    (SELECT max(created_at) FROM train_steps s WHERE s.job_id = j.id),
+                    (SELECT s.created_at FROM train_steps s WHERE s.job_id = j.id
+                     ORDER BY s.step DESC LIMIT 1),
                     (SELECT max(last_heartbeat_at) FROM workers w WHERE w.job_id = j.id)
                 ) DESC, j.id DESC
                 LIMIT 1
@@ -82,18 +89,26 @@ class MonitoringRepository:
         ).scalar_one_or_none()
 
     def job_progress(self, job_id: int) -> JobProgress:
+        # the steps after the compacted ones (metadata retention), counted with the last
+        # compacted step as a value: an index range, not a scan of every step
+        through = self.session.execute(
+            text("SELECT through_step FROM compacted_steps WHERE job_id = :j"), {"j": job_id}
+        ).scalar()
         r = self.session.execute(
             text(
                 """
                 SELECT j.id, j.name, j.status::text AS status, j.policy_version,
                        j.weights_version, j.pending_step,
-                       (SELECT count(*) FROM train_steps s WHERE s.job_id = j.id) AS steps,
-                       extract(epoch FROM now() - (SELECT max(created_at) FROM train_steps s
-                                                   WHERE s.job_id = j.id)) AS age
-                FROM jobs j WHERE j.id = :j
+                       coalesce(c.steps, 0) + (
+                           SELECT count(*) FROM train_steps s WHERE s.job_id = j.id
+                             AND s.step > :through) AS steps,
+                       extract(epoch FROM now() - (SELECT s.created_at FROM train_steps s
+                                                   WHERE s.job_id = j.id
+                                                   ORDER BY s.step DESC LIMIT 1)) AS age
+                FROM jobs j LEFT JOIN compacted_steps c ON c.job_id = j.id WHERE j.id = :j
                 """
             ),
-            {"j": job_id},
+            {"j": job_id, "through": -1 if through is None else through},
         ).one()
         return JobProgress(
             r.id,
@@ -108,12 +123,15 @@ class MonitoringRepository:
 
     def episode_states(self, job_id: int) -> dict[tuple[int, str], tuple[int, int]]:
         """(task id, state) -> (episodes, samples) where a state is a status with ``done``
-        split into ``ready``, ``claimed`` (by an uncommitted step) and ``consumed``."""
+        split into ``ready``, ``claimed`` (by an uncommitted step) and ``consumed``; the
+        live episodes and those metadata retention compacted."""
         rows = self.session.execute(
             text(
+                "SELECT task_id, s, sum(n) AS n, sum(samples) AS samples FROM ("
                 f"SELECT task_id, {_EPISODE_STATE} AS s, count(*) AS n, "
                 "coalesce(sum(group_size), 0) AS samples "
-                "FROM episodes WHERE job_id = :j GROUP BY 1, 2"
+                "FROM episodes WHERE job_id = :j GROUP BY 1, 2 "
+                f"UNION ALL {_COMPACTED_STATES}) x GROUP BY 1, 2"
             ),
             {"j": job_id},
         ).all()
@@ -124,9 +142,13 @@ class MonitoringRepository:
         version among the group's turns)."""
         rows = self.session.execute(
             text(
+                "SELECT task_id, lag, sum(n) AS n FROM ("
                 "SELECT task_id, consumed_step - min_policy_version AS lag, count(*) AS n "
                 "FROM episodes WHERE job_id = :j AND consumed_step IS NOT NULL "
-                "AND min_policy_version IS NOT NULL GROUP BY 1, 2"
+                "AND min_policy_version IS NOT NULL GROUP BY 1, 2 "
+                "UNION ALL SELECT task_id, staleness, episodes FROM compacted_episodes "
+                "WHERE job_id = :j AND state = 'consumed' AND staleness >= 0"
+                ") x GROUP BY 1, 2"
             ),
             {"j": job_id},
         ).all()
