@@ -269,7 +269,7 @@ def _held_first_batch(rb: RolloutBuffer, others: int) -> list[int]:
     """Hold the group commit's first batch until ``others`` writes wait behind it, so they
     form the second batch together (what concurrent loops do when a write takes a while).
     Returns the batches' sizes as they are written."""
-    real, sizes = rb.group_commit._write_batch, []
+    real, sizes = rb.group_commit._write_batch, list[int]()
 
     def held(batch: list[Pending]) -> None:
         if not sizes:
@@ -280,7 +280,7 @@ def _held_first_batch(rb: RolloutBuffer, others: int) -> list[int]:
         sizes.append(len(batch))
         real(batch)
 
-    rb.group_commit._write_batch = held  # type: ignore[method-assign]
+    rb.group_commit._write_batch = held
     return sizes
 
 
