@@ -14,6 +14,7 @@ sampler costs the process a few percent of a core at the default 10 ms.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -21,6 +22,8 @@ import time
 from collections import Counter
 from pathlib import Path
 from types import FrameType
+
+log = logging.getLogger(__name__)
 
 PROFILE_DIR_ENV = "ROLLCALL_PROFILE_DIR"
 DEPTH = 40
@@ -76,7 +79,7 @@ class StackSampler:
             now = time.monotonic()
             step_us, last = int((now - last) * 1e6), now  # the GIL may delay a sample
             if self.out is not None and time.monotonic() - written > self.write_every_s:
-                self.write(self.out.parent, self.out.name)
+                write_from_env(self)
                 written = time.monotonic()
             native = {t.ident: t.native_id for t in threading.enumerate()}
             for ident, frame in sys._current_frames().items():
@@ -85,19 +88,24 @@ class StackSampler:
                     continue
                 self.stacks[_stack(frame)] += step_us
 
+    def _snapshot(self) -> dict[tuple[str, ...], int]:
+        return dict(self.stacks)  # one C-level copy: the sampler thread may add stacks meanwhile
+
     def folded(self) -> str:
-        return "".join(f"{';'.join(s)} {us}\n" for s, us in self.stacks.most_common())
+        stacks = sorted(self._snapshot().items(), key=lambda kv: -kv[1])
+        return "".join(f"{';'.join(s)} {us}\n" for s, us in stacks)
 
     def top(self, n: int = 40) -> str:
         """The functions with the most CPU: self (the stack's last frame) and total."""
         own: Counter[str] = Counter()
         total: Counter[str] = Counter()
-        for stack, us in self.stacks.items():
+        snapshot = self._snapshot()
+        for stack, us in snapshot.items():
             if stack:
                 own[stack[-1]] += us
             for name in set(stack):
                 total[name] += us
-        all_us = max(1, sum(self.stacks.values()))
+        all_us = max(1, sum(snapshot.values()))
         lines = [f"# CPU sampled: {all_us / 1e6:.2f} s", "# self ms  self %  function"]
         lines += [
             f"{us / 1e3:>9.0f} {us / all_us:>7.1%}  {name}" for name, us in own.most_common(n)
@@ -124,6 +132,10 @@ def sampler_from_env(name: str) -> StackSampler | None:
 
 
 def write_from_env(sampler: StackSampler | None) -> None:
-    """The profile so far (sampling goes on)."""
+    """The profile so far (sampling goes on); a failure to write it is logged, never raised
+    into the caller's work."""
     if sampler is not None and sampler.out is not None:
-        sampler.write(sampler.out.parent, sampler.out.name)
+        try:
+            sampler.write(sampler.out.parent, sampler.out.name)
+        except Exception as e:
+            log.warning("could not write the CPU profile to %s: %s", sampler.out, e)

@@ -54,8 +54,8 @@ GRANT USAGE ON SCHEMA public TO rollcall_runtime;
 
 -- what the migrations create (as the migrator) is usable by the runtime role: data, not DDL.
 -- No DELETE: rollcall never deletes rows (ended work keeps its end state), except payload
--- segments (a replaced checkpoint, retention) and recorded calls (retention), which
--- migrations 0005 and 0008 grant on those two tables. Old events (retention) are deleted by
+-- segments (a replaced checkpoint, retention) and recorded calls (replaced entries, from
+-- migration 0012, and retention), which migrations 0005 and 0008 grant on those two tables. Old events (retention) are deleted by
 -- rollcall_drop_old_events, a SECURITY DEFINER function (migration 0010), not by the role.
 ALTER DEFAULT PRIVILEGES FOR ROLE rollcall_migrator IN SCHEMA public
     GRANT SELECT, INSERT, UPDATE ON TABLES TO rollcall_runtime;

@@ -375,3 +375,61 @@ def test_a_write_that_fails_in_a_batch_fails_alone(db: Database, engine: sa.Engi
     assert out["good commit"].committed == (1,) and out["good checkpoint"] is None
     assert scalar(engine, "SELECT count(*) FROM trajectories") == 3
     assert scalar(engine, "SELECT count(*) FROM trajectories WHERE status = 'ready'") == 1
+
+
+def test_a_lease_renewal_and_a_batch_of_writes_never_deadlock(
+    db: Database, engine: sa.Engine
+) -> None:
+    """A node's group commit holds its batch's lease locks, taken in episode id order, until
+    it commits; the heartbeat's renewal of the same node's leases must take them in the same
+    order. Here the leases' rows lie in the heap in the reverse of id order (the later episode
+    claimed first) and a batch holds the first episode's lock while the renewal runs: the
+    renewal waits for it, holding nothing, and the batch then takes the second."""
+    add_tasks(db, {"name": "a", "group_size": 1})
+    buf = make_buffer(db, batch_groups=2)
+    buf.seed()
+    worker = buf.register_worker("r0").id
+    cx, cy = buf.claim(worker), buf.claim(worker)
+    assert cx is not None and cy is not None
+    x, y = sorted((cx.lease.episode_id, cy.lease.episode_id))
+    with engine.begin() as conn:  # x's row version after y's in the heap: a non-HOT update
+        conn.execute(
+            sa.text("UPDATE episodes SET leased_at = leased_at + interval '1 ms' WHERE id = :x"),
+            {"x": x},
+        )
+        query = sa.text("SELECT id, ctid::text FROM episodes WHERE id IN (:x, :y)")
+        ctids: dict[int, str] = dict(conn.execute(query, {"x": x, "y": y}).tuples().all())
+    assert _tid(ctids[x]) > _tid(ctids[y]), ctids  # the reverse of id order
+    with engine.connect() as a:
+        a.execute(sa.text("SET deadlock_timeout = '200ms'"))
+        a.execute(sa.text("SELECT id FROM episodes WHERE id = :x FOR SHARE"), {"x": x})
+        out: dict[str, Any] = {}
+
+        def renew() -> None:
+            try:
+                out["renewed"] = buf.beat(worker)
+            except Exception as e:
+                out["error"] = e
+
+        t = threading.Thread(target=renew)
+        t.start()
+        deadline = time.monotonic() + 30
+        while not rows(
+            engine,
+            "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query LIKE 'UPDATE episodes SET lease_expires_at%'",
+        ):
+            assert time.monotonic() < deadline, "the renewal never waited on the batch's lock"
+            time.sleep(0.01)
+        # the batch's next write: with the renewal holding y, this would be a deadlock
+        a.execute(sa.text("SELECT id FROM episodes WHERE id = :y FOR SHARE"), {"y": y})
+        a.commit()
+        t.join(60)
+    assert "error" not in out, out
+    alive, leases = out["renewed"]
+    assert alive and sorted(e for e, _ in leases) == [x, y]
+
+
+def _tid(ctid: str) -> tuple[int, int]:
+    page, item = ctid.strip("()").split(",")
+    return int(page), int(item)

@@ -15,7 +15,8 @@ Deadlock freedom: task rows are locked ``FOR NO KEY UPDATE`` (so foreign-key che
 take ``KEY SHARE``, never wait on them); a claim either waits for nothing (SKIP LOCKED
 everywhere) or waits for one task lock while holding none; seeding locks task rows in id
 order and waits on no episode. Paths that lock episodes and then bump a task counter (sweep,
-expiry) can wait for a claimer, but no claimer waits for them.
+expiry) can wait for a claimer, but no claimer waits for them. A node's group commit locks its
+batch's episodes in id order, and a heartbeat's renewal locks the node's leases in id order too.
 """
 
 from __future__ import annotations
@@ -231,12 +232,16 @@ class EpisodeRepository:
         )
 
     def renew(self, worker_id: int, lease_s: float) -> list[tuple[int, int]]:
-        """Extend every lease the worker holds; returns (episode id, epoch) of each."""
+        """Extend every lease the worker holds; returns (episode id, epoch) of each. The rows
+        are locked in id order, as a node's group commit locks them (``write_batch``): a
+        renewal and a batch of the same node's writes never wait on each other in a cycle."""
         rows = (
             raw.cursor(self.session)
             .execute(
                 "UPDATE episodes SET lease_expires_at = now() + make_interval(secs => %(s)s) "
-                "WHERE lease_owner = %(w)s AND status = 'leased' RETURNING id, lease_epoch",
+                "WHERE id IN (SELECT id FROM episodes WHERE lease_owner = %(w)s "
+                "AND status = 'leased' ORDER BY id FOR NO KEY UPDATE) "
+                "RETURNING id, lease_epoch",
                 {"w": worker_id, "s": lease_s},
             )
             .fetchall()
