@@ -1,6 +1,6 @@
 """A sampling CPU profile of a process's threads: where a rollout node's CPU goes.
 
-Every ``interval_s`` a daemon thread reads each thread's state (``/proc/self/task/TID/stat``)
+Every ``interval_s`` a daemon thread reads each thread's state (``/proc/TID/stat``)
 and its Python stack (``sys._current_frames``): a thread on a CPU or waiting for one (state
 ``R``) is charged the time since the last sample at that stack; a thread blocked in a lock, a
 sleep or a socket is charged nothing. The result is folded stacks (``frame;frame;...
@@ -23,6 +23,8 @@ from collections import Counter
 from pathlib import Path
 from types import FrameType
 
+from rollcall.orchestrator import procfs
+
 log = logging.getLogger(__name__)
 
 PROFILE_DIR_ENV = "ROLLCALL_PROFILE_DIR"
@@ -35,12 +37,10 @@ def _frame_name(f: FrameType) -> str:
 
 
 def _running(tid: int) -> bool:
-    """Whether the thread is on a CPU or waiting for one (state R), not blocked."""
-    try:
-        stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-    except OSError:  # the thread ended meanwhile
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] == "R"
+    """Whether the thread is on a CPU or waiting for one (state R), not blocked (a thread's
+    ``/proc/TID/stat``, as a process's)."""
+    st = procfs.stat(tid)
+    return st is not None and st.state == "R"
 
 
 def _stack(f: FrameType | None) -> tuple[str, ...]:

@@ -382,9 +382,10 @@ def test_a_lease_renewal_and_a_batch_of_writes_never_deadlock(
 ) -> None:
     """A node's group commit holds its batch's lease locks, taken in episode id order, until
     it commits; the heartbeat's renewal of the same node's leases must take them in the same
-    order. Here the leases' rows lie in the heap in the reverse of id order (the later episode
-    claimed first) and a batch holds the first episode's lock while the renewal runs: the
-    renewal waits for it, holding nothing, and the batch then takes the second."""
+    order. Here the leases' rows lie in the heap in the reverse of id order (the first
+    episode's row moved by a non-HOT update) and a batch holds the first episode's lock while
+    the renewal runs: the renewal waits for it, holding nothing, and the batch then takes the
+    second."""
     add_tasks(db, {"name": "a", "group_size": 1})
     buf = make_buffer(db, batch_groups=2)
     buf.seed()

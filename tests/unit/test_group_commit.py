@@ -40,13 +40,6 @@ class Recorder:
             p.settle(("written", p.item))
 
 
-def _joined(threads: list[threading.Thread], out: dict[Any, Any]) -> dict[Any, Any]:
-    for t in threads:
-        t.join(30)
-        assert not t.is_alive()
-    return out
-
-
 def test_one_writer_alone_writes_one_batch_per_write() -> None:
     rec = Recorder()
     group = GroupCommit(rec)
@@ -55,25 +48,39 @@ def test_one_writer_alone_writes_one_batch_per_write() -> None:
     assert (group.batches, group.writes) == (3, 3)
 
 
-def test_writes_that_arrive_during_a_batch_share_the_next_one() -> None:
-    rec = Recorder()
+def _behind_a_held_batch(
+    group: GroupCommit, rec: Recorder, items: list[Any]
+) -> tuple[Any, dict[Any, Any]]:
+    """The leader's write ("lead") is held in its batch until every item's writer waits behind
+    it, then released: (the leader's result, each item's result or error)."""
+    out: dict[Any, Any] = {}
+
+    def submit(item: Any) -> None:
+        try:
+            out[item] = group.submit(item)
+        except Exception as e:
+            out[item] = e
+
     rec.release.clear()
-    group = GroupCommit(rec)
-    first: dict[str, Any] = {}
-    leader = threading.Thread(target=lambda: first.setdefault("r", group.submit("lead")))
+    leader = threading.Thread(target=submit, args=("lead",))
     leader.start()
     assert rec.entered.wait(30)
-    out: dict[Any, Any] = {}
-    threads = [
-        threading.Thread(target=lambda i=i: out.setdefault(i, group.submit(i))) for i in range(6)
-    ]
+    threads = [threading.Thread(target=submit, args=(i,)) for i in items]
     for t in threads:
         t.start()
-    _wait_for(lambda: len(group._queue) == 6)
+    _wait_for(lambda: len(group._queue) == len(items))
     rec.release.set()
-    leader.join(30)
-    _joined(threads, out)
-    assert first["r"] == ("written", "lead")
+    for t in [leader, *threads]:
+        t.join(30)
+        assert not t.is_alive()
+    return out.pop("lead"), out
+
+
+def test_writes_that_arrive_during_a_batch_share_the_next_one() -> None:
+    rec = Recorder()
+    group = GroupCommit(rec)
+    lead, out = _behind_a_held_batch(group, rec, list(range(6)))
+    assert lead == ("written", "lead")
     assert out == {i: ("written", i) for i in range(6)}
     assert rec.batches[0] == ["lead"]
     assert sorted(rec.batches[1]) == list(range(6))  # one transaction for the six
@@ -82,47 +89,16 @@ def test_writes_that_arrive_during_a_batch_share_the_next_one() -> None:
 
 def test_a_failed_batch_fails_each_of_its_writes_and_the_next_batch_goes_on() -> None:
     rec = Recorder(fail_on=3)
-    rec.release.clear()
     group = GroupCommit(rec)
-    leader = threading.Thread(target=lambda: group.submit("lead"))
-    leader.start()
-    assert rec.entered.wait(30)
-    out: dict[Any, Any] = {}
-    threads = [threading.Thread(target=lambda i=i: _catch(out, i, group)) for i in (1, 2, 3)]
-    for t in threads:
-        t.start()
-    _wait_for(lambda: len(group._queue) == 3)
-    rec.release.set()
-    leader.join(30)
-    _joined(threads, out)
+    _, out = _behind_a_held_batch(group, rec, [1, 2, 3])
     assert all(isinstance(out[i], ValueError) for i in (1, 2, 3))
     assert group.submit(4) == ("written", 4)
 
 
-def _catch(out: dict[Any, Any], i: Any, group: GroupCommit) -> None:
-    try:
-        out[i] = group.submit(i)
-    except ValueError as e:
-        out[i] = e
-
-
 def test_a_batch_is_at_most_max_batch_writes() -> None:
     rec = Recorder()
-    rec.release.clear()
     group = GroupCommit(rec, max_batch=2)
-    leader = threading.Thread(target=lambda: group.submit("lead"))
-    leader.start()
-    assert rec.entered.wait(30)
-    out: dict[Any, Any] = {}
-    threads = [
-        threading.Thread(target=lambda i=i: out.setdefault(i, group.submit(i))) for i in range(5)
-    ]
-    for t in threads:
-        t.start()
-    _wait_for(lambda: len(group._queue) == 5)
-    rec.release.set()
-    leader.join(30)
-    _joined(threads, out)
+    _, out = _behind_a_held_batch(group, rec, list(range(5)))
     assert out == {i: ("written", i) for i in range(5)}
     assert [len(b) for b in rec.batches] == [1, 2, 2, 1]
 
